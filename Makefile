@@ -1,0 +1,28 @@
+# Two set-up commands: `make demo` and `make test`. Both create .venv when missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[sglang,test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/jetflow prepare
+	$(VENV)/bin/jetflow generate --chat --compare-ar --budget 64 --max-new-tokens 96 \
+		--prompt "Write a Python function that returns the n-th Fibonacci number."
+	$(VENV)/bin/jetflow generate --compare-ar --budget 64 --max-new-tokens 96 \
+		--prompt "def is_prime(n):"
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,70 @@
+"""The proposer interface of the reference engine, and the JetFlow head behind it.
+
+A drafter turns the committed context into per-depth draft logits for the
+tokens after the anchor. The engine never learns what is behind it: the
+trained head, a random head, or a test oracle.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from jetflow_sglang.head import JetFlowHead
+
+
+class Drafter(Protocol):
+    block_size: int
+
+    def reset(self, features: Tensor) -> None:
+        """Start a request: target features [1, T, F] of the T prompt tokens (positions 0..T-1)."""
+
+    def extend(self, features: Tensor) -> None:
+        """Append target features [1, n, F] of n newly committed tokens (positions follow on)."""
+
+    def propose(self, anchor: Tensor, position: int) -> Tensor:
+        """Draft logits [1, block_size - 1, V] for positions position+1.. after the anchor [1] at `position`."""
+
+
+class HeadDrafter:
+    """Drafts with a JetFlow head; keeps the head's context K/V in preallocated buffers."""
+
+    def __init__(self, head: JetFlowHead, capacity: int = 8192) -> None:
+        self.head = head
+        self.block_size = head.config.block_size
+        self.capacity = capacity
+        self.length = 0
+        self._keys: list[Tensor] = []
+        self._values: list[Tensor] = []
+
+    def reset(self, features: Tensor) -> None:
+        self.length = 0
+        self._keys, self._values = [], []
+        self.extend(features)
+
+    @torch.inference_mode()
+    def extend(self, features: Tensor) -> None:
+        n = features.shape[1]
+        positions = torch.arange(self.length, self.length + n, device=features.device)[None]
+        new_kv = self.head.context_kv(features, positions)
+        if not self._keys:
+            for k, v in new_kv:
+                shape = (1, k.shape[1], max(self.capacity, n), k.shape[3])
+                self._keys.append(k.new_empty(shape))
+                self._values.append(v.new_empty(shape))
+        if self.length + n > self._keys[0].shape[2]:
+            grow = max(self.length + n, 2 * self._keys[0].shape[2])
+            self._keys = [torch.cat([k, k.new_empty(*k.shape[:2], grow - k.shape[2], k.shape[3])], 2) for k in self._keys]
+            self._values = [torch.cat([v, v.new_empty(*v.shape[:2], grow - v.shape[2], v.shape[3])], 2) for v in self._values]
+        for (k, v), k_buf, v_buf in zip(new_kv, self._keys, self._values):
+            k_buf[:, :, self.length : self.length + n] = k
+            v_buf[:, :, self.length : self.length + n] = v
+        self.length += n
+
+    @torch.inference_mode()
+    def propose(self, anchor: Tensor, position: int) -> Tensor:
+        context = [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self._keys, self._values)]
+        positions = torch.tensor([position], device=anchor.device)
+        return self.head.draft(anchor, positions, context)

@@ -1,0 +1,333 @@
+"""The JetFlow draft head: a few decoder layers over [anchor, MASK x (B-1)] that attend to
+context K/V projected from fused target features. One pass gives draft logits for every depth.
+
+The target's embedding and lm_head are shared and frozen: the head borrows them
+(`bind_target`) and never saves them. The MASK embedding is the head's own
+parameter; `mask_token_id` is a virtual id one past the target vocabulary, so the
+target's vocabulary never grows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from jetflow_sglang.errors import JetFlowError
+
+ARCHITECTURE = "JetFlowDraftModel"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def default_tap_layers(num_target_layers: int) -> list[int]:
+    """Five taps spread over the target's depth: [1, L/4, L/2, 3L/4, L-3] (0-indexed layer outputs)."""
+    n = num_target_layers
+    taps = [1, n // 4, n // 2, (3 * n) // 4, n - 3]
+    return sorted({min(max(t, 0), n - 1) for t in taps})
+
+
+@dataclass
+class JetFlowConfig:
+    target_hidden_size: int
+    target_vocab_size: int
+    target_num_layers: int
+    target_layer_ids: list[int]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_layers: int = 2
+    block_size: int = 16
+    causal: bool = True
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    mask_token_id: int = -1  # -1: target_vocab_size (a virtual id past the target vocabulary)
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mask_token_id < 0:
+            self.mask_token_id = self.target_vocab_size
+        if self.block_size < 2:
+            raise JetFlowError(f"block size must be at least 2, got {self.block_size}")
+        if self.num_layers < 1:
+            raise JetFlowError(f"the head needs at least one layer, got {self.num_layers}")
+        if not self.target_layer_ids:
+            raise JetFlowError("the head needs at least one target tap layer")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.target_hidden_size  # the head shares the target's embedding and lm_head
+
+    @classmethod
+    def for_target(cls, target_config, **overrides) -> "JetFlowConfig":
+        """A head shaped for a HF target config (attention shape and MLP width follow the target)."""
+        text = getattr(target_config, "text_config", None) or target_config
+        num_heads = text.num_attention_heads
+        rope = getattr(text, "rope_parameters", None) or {}
+        values = dict(
+            target_hidden_size=text.hidden_size,
+            target_vocab_size=text.vocab_size,
+            target_num_layers=text.num_hidden_layers,
+            target_layer_ids=default_tap_layers(text.num_hidden_layers),
+            num_attention_heads=num_heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // num_heads,
+            intermediate_size=text.intermediate_size,
+            rms_norm_eps=text.rms_norm_eps,
+            rope_theta=rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)),
+            max_position_embeddings=getattr(text, "max_position_embeddings", 8192),
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    def check_fits_target(self, target_config) -> None:
+        text = getattr(target_config, "text_config", None) or target_config
+        if self.target_hidden_size != text.hidden_size:
+            raise JetFlowError(
+                f"head was built for target hidden size {self.target_hidden_size}, target has {text.hidden_size}"
+            )
+        if self.target_vocab_size != text.vocab_size:
+            raise JetFlowError(
+                f"head was built for target vocab size {self.target_vocab_size}, target has {text.vocab_size}"
+            )
+        bad = [i for i in self.target_layer_ids if not 0 <= i < text.num_hidden_layers]
+        if bad:
+            raise JetFlowError(f"head taps target layers {bad}, but the target has {text.num_hidden_layers} layers")
+
+    def to_json_dict(self) -> dict:
+        """config.json: a standard `llama` config (loads with AutoConfig) plus a `jetflow` section."""
+        jetflow = {k: v for k, v in asdict(self).items() if k != "extra"}
+        return {
+            "architectures": [ARCHITECTURE],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.target_vocab_size,
+            "tie_word_embeddings": False,
+            "jetflow": jetflow,
+            **self.extra,
+        }
+
+    @classmethod
+    def from_json_dict(cls, data: dict) -> "JetFlowConfig":
+        if "jetflow" not in data:
+            raise JetFlowError("head config.json has no 'jetflow' section: not a JetFlow head")
+        known = set(cls.__dataclass_fields__) - {"extra"}
+        values = {k: v for k, v in data["jetflow"].items() if k in known}
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise JetFlowError(f"head config.json is incomplete: {exc}") from None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
+    """RoPE (Llama half-rotation). x: [b, heads, T, d]; positions: [b, T]."""
+    angles = positions[:, None, :, None].float() * inv_freq  # [b, 1, T, d/2]
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class HeadLayer(nn.Module):
+    """Llama decoder layer whose attention also reads the context K/V of the target features."""
+
+    def __init__(self, config: JetFlowConfig) -> None:
+        super().__init__()
+        hidden, heads, kv_heads, head_dim = (
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.gate_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
+
+    def key_value(self, x: Tensor, positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+        b, t, _ = x.shape
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        return rotate(k, positions, inv_freq), v
+
+    def forward(
+        self,
+        hidden: Tensor,
+        positions: Tensor,
+        context_k: Tensor,
+        context_v: Tensor,
+        attn_mask: Tensor,
+        inv_freq: Tensor,
+    ) -> Tensor:
+        """hidden: [b, Q, H] block states; context_k/v: [b, kv_heads, C, d]; attn_mask: bool
+        [b or 1, 1, Q, C + Q] over (context, block) keys."""
+        b, q_len, _ = hidden.shape
+        x = self.input_layernorm(hidden)
+        q = rotate(self.q_proj(x).view(b, q_len, self.heads, self.head_dim).transpose(1, 2), positions, inv_freq)
+        block_k, block_v = self.key_value(x, positions, inv_freq)
+        k = torch.cat([context_k, block_k], 2)
+        v = torch.cat([context_v, block_v], 2)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.heads != self.kv_heads)
+        hidden = hidden + self.o_proj(attn.transpose(1, 2).reshape(b, q_len, -1))
+        x = self.post_attention_layernorm(hidden)
+        return hidden + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class JetFlowHead(nn.Module):
+    def __init__(self, config: JetFlowConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.target_hidden_size, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.layers = nn.ModuleList(HeadLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(hidden))
+        inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._target_embedding: Tensor | None = None
+        self._target_lm_head: Tensor | None = None
+
+    def init_weights(self, seed: int = 0) -> "JetFlowHead":
+        generator = torch.Generator().manual_seed(seed)
+        for name, param in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    std = 0.02 / math.sqrt(2 * self.config.num_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                    param.copy_(torch.randn(param.shape, generator=generator) * std)
+        return self
+
+    def bind_target(self, embedding: Tensor, lm_head: Tensor) -> "JetFlowHead":
+        """Share the frozen target embedding [V, H] and lm_head [V, H] (never part of state_dict)."""
+        self._target_embedding, self._target_lm_head = embedding, lm_head
+        return self
+
+    # -- the pieces every engine uses -------------------------------------------------
+    def embed_block(self, block_tokens: Tensor) -> Tensor:
+        """Embeddings of block tokens; `mask_token_id` maps to the head's MASK embedding."""
+        is_mask = block_tokens == self.config.mask_token_id
+        embedded = F.embedding(block_tokens.masked_fill(is_mask, 0), self._target_embedding)
+        return torch.where(is_mask[..., None], self.mask_embedding.to(embedded.dtype), embedded)
+
+    def project_features(self, features: Tensor) -> Tensor:
+        """Fused target features [..., n_taps * H_t] -> head space [..., H]."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def context_kv(self, features: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Per-layer context K/V of target features [b, T, n_taps*H_t] at positions [b, T]."""
+        projected = self.project_features(features)
+        return [layer.key_value(projected, positions, self.inv_freq) for layer in self.layers]
+
+    def block_mask(self, block_size: int, device: torch.device) -> Tensor:
+        """Within-block visibility: causal (JetFlow) or bidirectional (DFlash baseline). [B, B] bool."""
+        if self.config.causal:
+            return torch.ones(block_size, block_size, dtype=torch.bool, device=device).tril()
+        return torch.ones(block_size, block_size, dtype=torch.bool, device=device)
+
+    def forward_block(
+        self,
+        block_tokens: Tensor,
+        positions: Tensor,
+        context: list[tuple[Tensor, Tensor]],
+        attn_mask: Tensor,
+    ) -> Tensor:
+        """Final-normed hidden states of the block tokens [b, Q, H]."""
+        hidden = self.embed_block(block_tokens).to(self.fc.weight.dtype)
+        for layer, (context_k, context_v) in zip(self.layers, context):
+            hidden = layer(hidden, positions, context_k, context_v, attn_mask, self.inv_freq)
+        return self.norm(hidden)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return F.linear(hidden, self._target_lm_head.to(hidden.dtype))
+
+    def draft(self, anchors: Tensor, anchor_positions: Tensor, context: list[tuple[Tensor, Tensor]], context_valid: Tensor | None = None) -> Tensor:
+        """Draft logits for depths 1..B-1 [b, B-1, V] from one pass over [anchor, MASK...].
+
+        anchors, anchor_positions: [b]; context: per-layer K/V [b, kv_heads, C, d];
+        context_valid: [b, C] bool for ragged contexts (None: all valid)."""
+        block = self.config.block_size
+        b, device = anchors.shape[0], anchors.device
+        block_tokens = torch.full((b, block), self.config.mask_token_id, dtype=torch.long, device=device)
+        block_tokens[:, 0] = anchors
+        positions = anchor_positions[:, None] + torch.arange(block, device=device)
+        context_len = context[0][0].shape[2]
+        if context_valid is None:
+            context_valid = torch.ones(b, context_len, dtype=torch.bool, device=device)
+        mask = torch.cat(
+            [context_valid[:, None, :].expand(-1, block, -1), self.block_mask(block, device).expand(b, -1, -1)], -1
+        )[:, None]
+        hidden = self.forward_block(block_tokens, positions, context, mask)
+        return self.logits(hidden[:, 1:])
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+        (directory / "config.json").write_text(json.dumps(self.config.to_json_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: str | Path, dtype: torch.dtype | None = None) -> "JetFlowHead":
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise JetFlowError(f"head directory not found: {directory}")
+        config_path, weights_path = directory / "config.json", directory / WEIGHTS_FILE
+        if not config_path.is_file():
+            raise JetFlowError(f"head directory has no config.json: {directory}")
+        if not weights_path.is_file():
+            others = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt"))
+            hint = f" (found {', '.join(others)}; only safetensors weights are loaded)" if others else ""
+            raise JetFlowError(f"head directory has no {WEIGHTS_FILE}{hint}: {directory}")
+        try:
+            data = json.loads(config_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise JetFlowError(f"head config.json is not valid JSON: {exc}") from None
+        head = cls(JetFlowConfig.from_json_dict(data))
+        try:
+            state = load_file(str(weights_path))
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise JetFlowError(f"cannot read head weights {weights_path}: {exc}") from None
+        try:
+            head.load_state_dict(state)
+        except RuntimeError as exc:
+            first = str(exc).strip().splitlines()[1:2] or [str(exc)]
+            raise JetFlowError(f"head weights do not match its config.json: {first[0].strip()}") from None
+        return head.to(dtype) if dtype is not None else head

@@ -1,0 +1,133 @@
+"""The frozen target on HF transformers: loading, forward with fused feature taps, KV compaction."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from jetflow_sglang.errors import JetFlowError
+
+
+def check_model_dir(path: str | Path, what: str = "target") -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise JetFlowError(f"{what} directory not found: {path}")
+    if not (path / "config.json").is_file():
+        raise JetFlowError(f"{what} directory has no config.json: {path}")
+    if not any(path.glob("*.safetensors")):
+        others = [p.name for p in path.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".ckpt"}]
+        hint = f" (found {', '.join(sorted(others))}; only safetensors weights are loaded)" if others else ""
+        raise JetFlowError(f"{what} directory has no safetensors weights{hint}: {path}")
+    return path
+
+
+class Target:
+    """A HF causal LM whose decoder-layer outputs at `tap_layers` are captured on every forward.
+
+    features: the tapped hidden states concatenated in tap order, [b, T, n_taps * H].
+    """
+
+    def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32, tap_layers: list[int] | None = None) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        path = check_model_dir(path)
+        self.path = path
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation="sdpa", use_safetensors=True
+        ).eval()
+        self.model.requires_grad_(False)
+        self.config = self.model.config
+        self.dtype = dtype
+        self._captured: dict[int, Tensor] = {}
+        self._hooks: list = []
+        self.tap_layers: list[int] = []
+        self.set_tap_layers(tap_layers or [])
+
+    @property
+    def layers(self):
+        return self.model.get_decoder().layers
+
+    @property
+    def embedding(self) -> Tensor:
+        return self.model.get_input_embeddings().weight
+
+    @property
+    def lm_head(self) -> Tensor:
+        return self.model.get_output_embeddings().weight
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return set(eos if isinstance(eos, list) else [eos]) - {None}
+
+    def set_tap_layers(self, tap_layers: list[int]) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self.tap_layers = [], list(tap_layers)
+        for layer_id in self.tap_layers:
+            if not 0 <= layer_id < len(self.layers):
+                raise JetFlowError(f"tap layer {layer_id} is outside the target's {len(self.layers)} layers")
+            self._hooks.append(self.layers[layer_id].register_forward_hook(self._capture(layer_id)))
+
+    def _capture(self, layer_id: int):
+        def hook(module, inputs, output):
+            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def encode_prompt(self, text: str, chat: bool) -> list[int]:
+        if chat:
+            if not self.tokenizer.chat_template:
+                raise JetFlowError(f"target has no chat template: {self.path}")
+            return list(
+                self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
+        return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        cache,
+        attention_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """One forward over input_ids [b, T] at positions [b, T], appending to `cache`.
+
+        attention_mask: None for causal, else bool [b, 1, T, cached + T] (True = attend).
+        Returns logits [b, T, V] (fp32) and tapped features [b, T, n_taps * H]."""
+        self._captured.clear()
+        if attention_mask is not None:
+            attention_mask = torch.zeros(attention_mask.shape, dtype=self.dtype).masked_fill(
+                ~attention_mask, torch.finfo(self.dtype).min
+            )
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        features = torch.cat([self._captured[i] for i in self.tap_layers], -1) if self.tap_layers else None
+        return out.logits.float(), features
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+
+def compact_cache(cache, keep: Tensor) -> None:
+    """Keep only the cache rows `keep` (1-D positions in the cache), in that order."""
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(-2, keep)
+        layer.values = layer.values.index_select(-2, keep)

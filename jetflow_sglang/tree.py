@@ -1,0 +1,184 @@
+"""Best-first draft tree from per-depth draft log-probs, and its attention masks.
+
+The head drafts every depth in one pass, so a node's draft log-prob depends only
+on its depth and token, and the cumulative score of a node is the sum of its
+path's per-depth log-probs. Scores therefore never rise along a path, and
+best-first expansion under a budget of N nodes selects exactly the N best
+nodes under the total order (score desc, depth asc, expansion order): the root
+plus the top N-1 of all paths through the per-depth top-k lists. Any node in
+that set is also in the top N-1 of its own depth, so each depth can be pruned
+to N-1 candidates before expanding the next: a loop over depths, vectorized
+over the batch and the nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+MAX_BUDGET = 512
+
+
+@dataclass
+class DraftTree:
+    """A batch of draft trees, one per request, nodes in best-first (topological) order.
+
+    Node 0 is the root: the anchor token (last committed token, not yet in the
+    target's KV cache). Depth-d nodes are candidate tokens for position
+    prefix_len + d.
+    """
+
+    tokens: Tensor  # [b, N] int64
+    parents: Tensor  # [b, N] int64, parent index (< own index), -1 for the root
+    depths: Tensor  # [b, N] int64, root 0
+    scores: Tensor  # [b, N] float32, cumulative draft log-prob, root 0
+    ancestors: Tensor  # [b, N, N] bool, [b, i, j]: node j is node i or one of its ancestors
+
+    @property
+    def budget(self) -> int:
+        return self.tokens.shape[1]
+
+    def positions(self, prefix_lens: Tensor) -> Tensor:
+        """Target positions of the nodes: prefix_len + depth. prefix_lens: [b]."""
+        return prefix_lens[:, None] + self.depths
+
+
+def check_budget(budget: int) -> None:
+    if not 1 <= budget <= MAX_BUDGET:
+        raise ValueError(f"tree budget must be between 1 and {MAX_BUDGET}, got {budget}")
+
+
+def max_tree_nodes(num_depths: int, width: int) -> int:
+    """Largest tree the per-depth top-k lists allow, root included (capped above MAX_BUDGET)."""
+    total, level = 1, 1
+    for _ in range(num_depths):
+        level *= width
+        total += level
+        if total > MAX_BUDGET:
+            break
+    return total
+
+
+def build_tree(anchor_tokens: Tensor, draft_logprobs: Tensor, budget: int, width: int = 7) -> DraftTree:
+    """Best-first tree of `budget` nodes (root included).
+
+    anchor_tokens: [b] root tokens. draft_logprobs: [b, D, V] log-probs for depths 1..D.
+    """
+    check_budget(budget)
+    batch, num_depths, vocab = draft_logprobs.shape
+    width = min(width, vocab)
+    if width < 1:
+        raise ValueError(f"tree width must be at least 1, got {width}")
+    if budget > max_tree_nodes(num_depths, width):
+        raise ValueError(
+            f"tree budget {budget} exceeds the {max_tree_nodes(num_depths, width)} nodes that "
+            f"{num_depths} draft depths of width {width} can hold"
+        )
+    device = draft_logprobs.device
+    anchor_tokens = anchor_tokens.to(device=device, dtype=torch.long)
+    topk_logprobs, topk_tokens = draft_logprobs.float().topk(width, dim=-1)  # [b, D, k], sorted
+
+    # Candidate pool, concatenated depth by depth. Index 0 is the root.
+    pool_scores = [torch.zeros(batch, 1, device=device)]
+    pool_tokens = [anchor_tokens[:, None]]
+    pool_parents = [torch.full((batch, 1), -1, dtype=torch.long, device=device)]
+    pool_depths = [torch.zeros(batch, 1, dtype=torch.long, device=device)]
+    level_scores = pool_scores[0]
+    level_offset, pool_size = 0, 1
+    keep = budget - 1
+    for depth in range(1, num_depths + 1):
+        if keep == 0:
+            break
+        # Children of every kept node at the previous depth: parent-major, rank-minor.
+        child_scores = (level_scores[:, :, None] + topk_logprobs[:, depth - 1, None, :]).flatten(1)
+        child_tokens = topk_tokens[:, depth - 1, None, :].expand(-1, level_scores.shape[1], -1).flatten(1)
+        child_parents = (
+            torch.arange(level_scores.shape[1], device=device)[:, None].expand(-1, width).flatten() + level_offset
+        ).expand(batch, -1)
+        order = torch.sort(child_scores, dim=1, descending=True, stable=True).indices[:, :keep]
+        level_scores = child_scores.gather(1, order)
+        pool_scores.append(level_scores)
+        pool_tokens.append(child_tokens.gather(1, order))
+        pool_parents.append(child_parents.gather(1, order))
+        pool_depths.append(torch.full_like(order, depth))
+        level_offset = pool_size
+        pool_size += order.shape[1]
+
+    scores = torch.cat(pool_scores, 1)
+    tokens = torch.cat(pool_tokens, 1)
+    parents = torch.cat(pool_parents, 1)
+    depths = torch.cat(pool_depths, 1)
+    # Global best-first selection; the stable sort keeps depth order on ties, so a
+    # parent always comes before its children.
+    chosen = torch.sort(scores[:, 1:], dim=1, descending=True, stable=True).indices[:, :keep] + 1
+    chosen = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=device), chosen], 1)
+    new_index = torch.full_like(scores, -1, dtype=torch.long)
+    new_index.scatter_(1, chosen, torch.arange(budget, device=device).expand(batch, -1))
+    old_parents = parents.gather(1, chosen)
+    tree_parents = torch.where(old_parents < 0, old_parents, new_index.gather(1, old_parents.clamp(min=0)))
+    tree_depths = depths.gather(1, chosen)
+    return DraftTree(
+        tokens=tokens.gather(1, chosen),
+        parents=tree_parents,
+        depths=tree_depths,
+        scores=scores.gather(1, chosen),
+        ancestors=ancestor_mask(tree_parents, num_depths),
+    )
+
+
+def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
+    """[b, N, N] bool: [b, i, j] is True when j is i or an ancestor of i (pointer chasing by depth)."""
+    batch, budget = parents.shape
+    eye = torch.eye(budget, dtype=torch.bool, device=parents.device)
+    ancestors = eye.expand(batch, -1, -1).clone()
+    step_parent = parents.clamp(min=0)  # the root's parent is itself: the root is everyone's ancestor
+    current = torch.arange(budget, device=parents.device).expand(batch, -1)
+    for _ in range(min(max_depth, budget - 1)):
+        current = step_parent.gather(1, current)
+        ancestors.scatter_(2, current[..., None], True)
+    return ancestors
+
+
+def full_mask(tree: DraftTree, prefix_lens: Tensor) -> Tensor:
+    """SGLang FULL_MASK: per request a row-major [N, prefix_len + N] bool block (prefix
+    columns all True, then the ancestor mask), flattened and concatenated over the batch."""
+    budget = tree.budget
+    prefix_lens = prefix_lens.to(tree.tokens.device)
+    max_prefix = int(prefix_lens.max()) if prefix_lens.numel() else 0
+    columns = torch.arange(max_prefix + budget, device=tree.tokens.device)
+    prefix = prefix_lens[:, None]
+    tree_column = columns[None, :] - prefix  # [b, C]
+    in_prefix = tree_column < 0
+    in_tree = (tree_column >= 0) & (tree_column < budget)
+    tree_bits = tree.ancestors.gather(2, tree_column.clamp(0, budget - 1)[:, None, :].expand(-1, budget, -1))
+    padded = in_prefix[:, None, :] | (in_tree[:, None, :] & tree_bits)  # [b, N, C]
+    valid = (columns[None, :] < prefix + budget)[:, None, :].expand(-1, budget, -1)
+    return padded[valid]
+
+
+def pack_bits(bits: Tensor, segment_lens: Tensor) -> tuple[Tensor, Tensor]:
+    """FlashInfer `segment_packbits` with little bit order: each segment of the flat bool
+    array is packed to bytes separately (padded to a byte). Returns (packed uint8, indptr in bytes)."""
+    device = bits.device
+    segment_lens = segment_lens.to(device=device, dtype=torch.long)
+    packed_lens = (segment_lens + 7) // 8
+    indptr = torch.zeros(segment_lens.numel() + 1, dtype=torch.long, device=device)
+    indptr[1:] = packed_lens.cumsum(0)
+    bit_start = torch.zeros_like(segment_lens)
+    bit_start[1:] = segment_lens.cumsum(0)[:-1]
+    segment_of_bit = torch.repeat_interleave(torch.arange(segment_lens.numel(), device=device), segment_lens)
+    local = torch.arange(bits.numel(), device=device) - bit_start[segment_of_bit]
+    padded = torch.zeros(int(indptr[-1]) * 8, dtype=torch.uint8, device=device)
+    padded[indptr[segment_of_bit] * 8 + local] = bits.to(torch.uint8)
+    weights = (2 ** torch.arange(8, device=device)).to(torch.uint8)
+    packed = (padded.view(-1, 8) * weights).sum(1, dtype=torch.int32).to(torch.uint8)
+    return packed, indptr
+
+
+def packed_mask(tree: DraftTree, prefix_lens: Tensor) -> tuple[Tensor, Tensor]:
+    """FlashInfer custom mask: the FULL_MASK of each request bit-packed (little endian) on its own."""
+    budget = tree.budget
+    segment_lens = budget * (prefix_lens.to(tree.tokens.device) + budget)
+    return pack_bits(full_mask(tree, prefix_lens), segment_lens)
