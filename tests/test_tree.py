@@ -1,0 +1,501 @@
+"""Tests for the best-first draft tree and its attention masks (jetflow_sglang/tree.py)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jetflow_sglang.tree import (
+    MAX_BUDGET,
+    DraftTree,
+    ancestor_mask,
+    build_tree,
+    full_mask,
+    max_tree_nodes,
+    pack_bits,
+    packed_mask,
+)
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TOL = 1e-5
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def make_logprobs(seed: int, batch: int, depths: int, vocab: int, mode: str) -> torch.Tensor:
+    """[batch, depths, vocab] draft log-probs. mode: continuous (no ties), quantized (many
+    tied log-probs), uniform (everything tied), or peaked (some depth has a prob-1 token)."""
+    gen = torch.Generator().manual_seed(seed)
+    if mode == "continuous":
+        logits = torch.randn(batch, depths, vocab, generator=gen) * 2
+    elif mode == "quantized":
+        logits = torch.randint(0, 3, (batch, depths, vocab), generator=gen).float()
+    elif mode == "uniform":
+        logits = torch.zeros(batch, depths, vocab)
+    elif mode == "peaked":
+        logits = torch.randn(batch, depths, vocab, generator=gen)
+        hot = torch.randint(0, vocab, (batch, depths), generator=gen)
+        peaked = torch.rand(batch, depths, generator=gen) < 0.5
+        onehot = torch.full((batch, depths, vocab), -1e4).scatter(2, hot[..., None], 0.0)
+        logits = torch.where(peaked[..., None], onehot, logits)
+    else:  # pragma: no cover
+        raise AssertionError(mode)
+    return torch.log_softmax(logits, -1)
+
+
+@st.composite
+def tree_inputs(draw, max_batch: int = 3, max_depths: int = 4, max_width: int = 3, max_vocab: int = 6):
+    batch = draw(st.integers(1, max_batch))
+    depths = draw(st.integers(1, max_depths))
+    width = draw(st.integers(1, max_width))
+    vocab = draw(st.integers(1, max_vocab))
+    mode = draw(st.sampled_from(["continuous", "quantized", "uniform", "peaked"]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    eff_width = min(width, vocab)
+    budget = draw(st.integers(1, min(max_tree_nodes(depths, eff_width), MAX_BUDGET)))
+    logprobs = make_logprobs(seed, batch, depths, vocab, mode)
+    anchors = torch.randint(0, vocab, (batch,), generator=torch.Generator().manual_seed(seed + 1))
+    return anchors, logprobs, budget, width
+
+
+def walk_ancestors(parents: list[int]) -> np.ndarray:
+    n = len(parents)
+    mask = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
+def check_structure(tree: DraftTree, anchors: torch.Tensor, logprobs: torch.Tensor, budget: int, width: int) -> None:
+    batch, depths, vocab = logprobs.shape
+    width = min(width, vocab)
+    assert tree.tokens.shape == (batch, budget)
+    for name in ("tokens", "parents", "depths", "scores"):
+        assert getattr(tree, name).shape == (batch, budget), name
+    assert tree.tokens.dtype == torch.int64 and tree.parents.dtype == torch.int64 and tree.depths.dtype == torch.int64
+    assert tree.scores.dtype == torch.float32
+    assert tree.ancestors.shape == (batch, budget, budget) and tree.ancestors.dtype == torch.bool
+    assert tree.budget == budget
+    topk_tokens = logprobs.float().topk(width, dim=-1).indices
+    for b in range(batch):
+        tokens = tree.tokens[b].tolist()
+        parents = tree.parents[b].tolist()
+        node_depths = tree.depths[b].tolist()
+        scores = tree.scores[b].tolist()
+        assert tokens[0] == int(anchors[b])
+        assert parents[0] == -1 and node_depths[0] == 0 and scores[0] == 0.0
+        children: dict[int, list[int]] = {}
+        for i in range(1, budget):
+            p = parents[i]
+            assert 0 <= p < i, (b, i, p)
+            d = node_depths[i]
+            assert d == node_depths[p] + 1
+            assert 1 <= d <= depths
+            # The child's token is one of the width best draft tokens at its depth.
+            assert tokens[i] in topk_tokens[b, d - 1].tolist()
+            expected = scores[p] + float(logprobs[b, d - 1, tokens[i]])
+            assert scores[i] == float(np.float32(scores[p]) + np.float32(logprobs[b, d - 1, tokens[i]])), (scores[i], expected)
+            assert math.isclose(scores[i], expected, rel_tol=1e-6, abs_tol=TOL)
+            assert scores[i] <= scores[p] + 1e-6
+            children.setdefault(p, []).append(tokens[i])
+        for p, toks in children.items():
+            assert len(toks) == len(set(toks)), f"siblings under {p} share a token: {toks}"
+            assert len(toks) <= width
+        assert np.array_equal(tree.ancestors[b].numpy(), walk_ancestors(parents))
+
+
+def brute_force_scores(logprobs_b: torch.Tensor, width: int) -> list[tuple[float, tuple[int, ...]]]:
+    """Every non-root node of the full width-ary tree over the per-depth top-width lists:
+    (cumulative score accumulated in float32 as the tree does, token path)."""
+    depths, vocab = logprobs_b.shape
+    width = min(width, vocab)
+    vals, toks = logprobs_b.float().topk(width, dim=-1)
+    vals = vals.numpy()
+    toks = toks.numpy()
+    out = []
+    for d in range(1, depths + 1):
+        for ranks in itertools.product(range(width), repeat=d):
+            s = np.float32(0.0)
+            for depth, r in enumerate(ranks):
+                s = np.float32(s + vals[depth, r])
+            out.append((float(s), tuple(int(toks[depth, r]) for depth, r in enumerate(ranks))))
+    return out
+
+
+def token_paths(tree: DraftTree, b: int) -> list[tuple[int, ...]]:
+    tokens = tree.tokens[b].tolist()
+    parents = tree.parents[b].tolist()
+    paths: list[tuple[int, ...]] = [()]
+    for i in range(1, len(tokens)):
+        paths.append(paths[parents[i]] + (tokens[i],))
+    return paths
+
+
+def assert_trees_equal(a: DraftTree, b: DraftTree) -> None:
+    for name in ("tokens", "parents", "depths", "scores", "ancestors"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+
+
+def reference_full_mask(tree: DraftTree, prefix_lens: list[int]) -> np.ndarray:
+    blocks = []
+    budget = tree.budget
+    for b, prefix in enumerate(prefix_lens):
+        block = np.zeros((budget, prefix + budget), dtype=bool)
+        block[:, :prefix] = True
+        block[:, prefix:] = walk_ancestors(tree.parents[b].tolist())
+        blocks.append(block.reshape(-1))
+    return np.concatenate(blocks) if blocks else np.zeros(0, dtype=bool)
+
+
+def reference_pack(bits: np.ndarray, lens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    packed, indptr, start = [], [0], 0
+    for n in lens:
+        seg = np.packbits(bits[start : start + n].astype(np.uint8), bitorder="little")
+        packed.append(seg)
+        indptr.append(indptr[-1] + math.ceil(n / 8))
+        start += n
+    flat = np.concatenate(packed) if packed else np.zeros(0, dtype=np.uint8)
+    return flat, np.asarray(indptr, dtype=np.int64)
+
+
+# --------------------------------------------------------------------------- structure
+
+
+@SETTINGS
+@given(tree_inputs())
+def test_structure_invariants(inputs):
+    anchors, logprobs, budget, width = inputs
+    tree = build_tree(anchors, logprobs, budget, width)
+    check_structure(tree, anchors, logprobs, budget, width)
+
+
+@SETTINGS
+@given(tree_inputs())
+def test_best_subtree_under_cumulative_score(inputs):
+    """The tree's nodes are the root plus the N-1 best nodes of the full width-ary tree."""
+    anchors, logprobs, budget, width = inputs
+    tree = build_tree(anchors, logprobs, budget, width)
+    for b in range(logprobs.shape[0]):
+        every = brute_force_scores(logprobs[b], width)
+        best = sorted((s for s, _ in every), reverse=True)[: budget - 1]
+        got = sorted(tree.scores[b, 1:].tolist(), reverse=True)
+        assert tree.scores[b, 0].item() == 0.0
+        np.testing.assert_allclose(got, best, rtol=1e-6, atol=TOL)
+        # Token paths are distinct real nodes of the full tree.
+        paths = token_paths(tree, b)
+        assert len(set(paths)) == budget
+        known = {p: s for s, p in every}
+        for path, score in zip(paths[1:], tree.scores[b, 1:].tolist()):
+            assert path in known
+            assert math.isclose(known[path], score, rel_tol=1e-6, abs_tol=TOL)
+        # Without ties at the cut, the chosen set is unique: compare it exactly.
+        ranked = sorted(every, key=lambda e: -e[0])
+        cut_gap = ranked[budget - 2][0] - ranked[budget - 1][0] if 1 < budget <= len(ranked) else math.inf
+        if budget == 1 or cut_gap > 1e-4:
+            assert set(paths[1:]) == {p for _, p in ranked[: budget - 1]}
+
+
+@SETTINGS
+@given(tree_inputs())
+def test_deterministic(inputs):
+    anchors, logprobs, budget, width = inputs
+    first = build_tree(anchors, logprobs, budget, width)
+    second = build_tree(anchors.clone(), logprobs.clone(), budget, width)
+    assert_trees_equal(first, second)
+
+
+@SETTINGS
+@given(tree_inputs())
+def test_batch_equals_single(inputs):
+    anchors, logprobs, budget, width = inputs
+    batched = build_tree(anchors, logprobs, budget, width)
+    for b in range(logprobs.shape[0]):
+        alone = build_tree(anchors[b : b + 1], logprobs[b : b + 1], budget, width)
+        for name in ("tokens", "parents", "depths", "scores", "ancestors"):
+            assert torch.equal(getattr(batched, name)[b : b + 1], getattr(alone, name)), (b, name)
+
+
+@SETTINGS
+@given(tree_inputs())
+def test_ancestor_mask_matches_parent_walk(inputs):
+    anchors, logprobs, budget, width = inputs
+    tree = build_tree(anchors, logprobs, budget, width)
+    recomputed = ancestor_mask(tree.parents, logprobs.shape[1])
+    assert torch.equal(recomputed, tree.ancestors)
+    for b in range(logprobs.shape[0]):
+        assert np.array_equal(tree.ancestors[b].numpy(), walk_ancestors(tree.parents[b].tolist()))
+        # The root is everyone's ancestor; the diagonal is set; nothing above it (topological order).
+        assert tree.ancestors[b, :, 0].all()
+        assert tree.ancestors[b].diagonal().all()
+        assert not torch.triu(tree.ancestors[b], diagonal=1).any()
+        # Row sums are depth + 1.
+        assert torch.equal(tree.ancestors[b].sum(-1), tree.depths[b] + 1)
+
+
+def test_ancestor_mask_hand_made():
+    # 0 -> 1 -> 3 -> 5 ; 0 -> 2 -> 4
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 3]])
+    mask = ancestor_mask(parents, 3)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [1, 0, 1, 0, 0, 0],
+            [1, 1, 0, 1, 0, 0],
+            [1, 0, 1, 0, 1, 0],
+            [1, 1, 0, 1, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(mask[0], expected)
+
+
+def test_positions():
+    anchors = torch.tensor([3, 1])
+    tree = build_tree(anchors, make_logprobs(0, 2, 3, 5, "continuous"), 9, 3)
+    prefix = torch.tensor([10, 0])
+    assert torch.equal(tree.positions(prefix), prefix[:, None] + tree.depths)
+
+
+# --------------------------------------------------------------------------- hand-made trees
+
+
+def test_hand_made_tree():
+    # depth 1: p = .6 .3 .1 ; depth 2: p = .7 .2 .1 ; tokens are the vocab indices.
+    probs = torch.tensor([[[0.6, 0.3, 0.1], [0.7, 0.2, 0.1]]])
+    logprobs = probs.log()
+    # Node probabilities: (0)=.6, (0,0)=.42, (1)=.3, (1,0)=.21, (0,1)=.12, (2)=.1, ...
+    tree = build_tree(torch.tensor([9]), logprobs, 4, width=3)
+    assert tree.tokens.tolist() == [[9, 0, 0, 1]]
+    assert tree.parents.tolist() == [[-1, 0, 1, 0]]
+    assert tree.depths.tolist() == [[0, 1, 2, 1]]
+    np.testing.assert_allclose(tree.scores[0].numpy(), np.log([1.0, 0.6, 0.42, 0.3]), atol=1e-6)
+
+    tree = build_tree(torch.tensor([9]), logprobs, 6, width=3)
+    assert tree.tokens.tolist() == [[9, 0, 0, 1, 0, 1]]
+    assert tree.parents.tolist() == [[-1, 0, 1, 0, 3, 1]]
+    assert tree.depths.tolist() == [[0, 1, 2, 1, 2, 2]]
+
+    # Width 2 drops token 2 everywhere.
+    tree = build_tree(torch.tensor([9]), logprobs, 7, width=2)
+    assert 2 not in tree.tokens[0, 1:].tolist()
+    assert sorted(token_paths(tree, 0)) == sorted([(), (0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1)])
+
+
+def test_uniform_ties_fill_depth_by_depth():
+    """Uniform draft: all nodes of a depth tie; best-first takes shallower nodes first,
+    and ties are broken deterministically (same tree every call)."""
+    logprobs = make_logprobs(0, 1, 3, 4, "uniform")
+    budget = 1 + 3 + 5
+    tree = build_tree(torch.tensor([0]), logprobs, budget, width=3)
+    check_structure(tree, torch.tensor([0]), logprobs, budget, 3)
+    assert tree.depths.tolist() == [[0, 1, 1, 1, 2, 2, 2, 2, 2]]
+    # Depths never decrease in best-first order under uniform scores.
+    assert_trees_equal(tree, build_tree(torch.tensor([0]), logprobs, budget, width=3))
+
+
+def test_prob_one_child_ties_its_parent():
+    """A depth with a prob-1 token gives children whose score equals their parent's; the
+    parent must still come first."""
+    logprobs = torch.full((1, 3, 4), -1e4)
+    logprobs[0, 0] = torch.tensor([0.5, 0.3, 0.2, 1e-9]).log()
+    logprobs[0, 1, 2] = 0.0  # prob 1
+    logprobs[0, 2] = torch.tensor([0.25, 0.25, 0.25, 0.25]).log()
+    tree = build_tree(torch.tensor([1]), logprobs, 6, width=2)
+    check_structure(tree, torch.tensor([1]), logprobs, 6, 2)
+    assert tree.depths[0, :3].tolist() == [0, 1, 2]
+    assert tree.tokens[0, :3].tolist() == [1, 0, 2]
+
+
+def test_root_only():
+    logprobs = make_logprobs(1, 2, 4, 8, "continuous")
+    tree = build_tree(torch.tensor([5, 6]), logprobs, 1)
+    assert tree.tokens.tolist() == [[5], [6]]
+    assert tree.parents.tolist() == [[-1], [-1]]
+    assert tree.depths.tolist() == [[0], [0]]
+    assert tree.scores.tolist() == [[0.0], [0.0]]
+    assert tree.ancestors.tolist() == [[[True]], [[True]]]
+    prefix = torch.tensor([3, 0])
+    assert full_mask(tree, prefix).tolist() == [True] * 4 + [True]
+
+
+def test_budget_512_block_16_width_7():
+    """Maximum budget, 15 draft depths (block 16), default width 7, realistic vocab."""
+    batch, depths, vocab, budget = 2, 15, 64, MAX_BUDGET
+    logprobs = make_logprobs(7, batch, depths, vocab, "continuous")
+    anchors = torch.tensor([1, 2])
+    tree = build_tree(anchors, logprobs, budget)  # default width 7
+    check_structure(tree, anchors, logprobs, budget, 7)
+    # Optimality certificate: the chosen set is ancestor-closed (checked above), and no
+    # unchosen child (within the top-7 lists) of a chosen node beats the worst chosen node.
+    topk_vals, topk_toks = logprobs.topk(7, dim=-1)
+    for b in range(batch):
+        worst = tree.scores[b, 1:].min().item()
+        tokens, parents, node_depths = tree.tokens[b].tolist(), tree.parents[b].tolist(), tree.depths[b].tolist()
+        kids: dict[int, set[int]] = {}
+        for i in range(1, budget):
+            kids.setdefault(parents[i], set()).add(tokens[i])
+        for i in range(budget):
+            d = node_depths[i]
+            if d == depths:
+                continue
+            for val, tok in zip(topk_vals[b, d].tolist(), topk_toks[b, d].tolist()):
+                if tok not in kids.get(i, set()):
+                    assert tree.scores[b, i].item() + val <= worst + TOL
+                    break  # the best unchosen child bounds the rest
+    prefix = torch.tensor([100, 3])
+    mask = full_mask(tree, prefix)
+    assert mask.numel() == budget * (100 + budget) + budget * (3 + budget)
+    assert np.array_equal(mask.numpy(), reference_full_mask(tree, [100, 3]))
+
+
+def test_width_one_is_a_chain():
+    depths = 5
+    logprobs = make_logprobs(3, 2, depths, 10, "continuous")
+    anchors = torch.tensor([4, 4])
+    assert max_tree_nodes(depths, 1) == depths + 1
+    tree = build_tree(anchors, logprobs, depths + 1, width=1)
+    check_structure(tree, anchors, logprobs, depths + 1, 1)
+    assert tree.parents.tolist() == [[-1, 0, 1, 2, 3, 4]] * 2
+    assert tree.depths.tolist() == [[0, 1, 2, 3, 4, 5]] * 2
+    assert torch.equal(tree.tokens[:, 1:], logprobs.argmax(-1))
+    np.testing.assert_allclose(tree.scores[:, 1:].numpy(), logprobs.max(-1).values.cumsum(-1).numpy(), atol=TOL)
+    assert torch.equal(tree.ancestors[0], torch.ones(6, 6, dtype=torch.bool).tril())
+    # A shorter chain is a prefix of the long one.
+    short = build_tree(anchors, logprobs, 3, width=1)
+    assert torch.equal(short.tokens, tree.tokens[:, :3])
+    with pytest.raises(ValueError):
+        build_tree(anchors, logprobs, depths + 2, width=1)
+
+
+def test_width_larger_than_vocab_is_clipped():
+    logprobs = make_logprobs(4, 1, 2, 3, "continuous")
+    tree = build_tree(torch.tensor([0]), logprobs, 13, width=7)  # 1 + 3 + 9
+    check_structure(tree, torch.tensor([0]), logprobs, 13, 7)
+    with pytest.raises(ValueError):
+        build_tree(torch.tensor([0]), logprobs, 14, width=7)
+
+
+@pytest.mark.parametrize("budget", [0, -1, MAX_BUDGET + 1, 1000])
+def test_invalid_budget(budget):
+    logprobs = make_logprobs(0, 1, 15, 64, "continuous")
+    with pytest.raises(ValueError):
+        build_tree(torch.tensor([0]), logprobs, budget)
+
+
+@pytest.mark.parametrize(("depths", "width"), [(1, 1), (1, 7), (2, 2), (3, 3), (4, 2)])
+def test_budget_beyond_tree_capacity(depths, width):
+    vocab = 8
+    capacity = sum(width**d for d in range(depths + 1))
+    assert max_tree_nodes(depths, width) == capacity
+    logprobs = make_logprobs(0, 1, depths, vocab, "continuous")
+    build_tree(torch.tensor([0]), logprobs, capacity, width)  # fits exactly
+    with pytest.raises(ValueError):
+        build_tree(torch.tensor([0]), logprobs, capacity + 1, width)
+
+
+def test_max_tree_nodes_caps_above_max_budget():
+    assert max_tree_nodes(15, 7) > MAX_BUDGET
+    assert max_tree_nodes(0, 7) == 1
+    assert max_tree_nodes(3, 2) == 15
+
+
+def test_zero_width_rejected():
+    with pytest.raises(ValueError):
+        build_tree(torch.tensor([0]), make_logprobs(0, 1, 2, 4, "continuous"), 1, width=0)
+
+
+# --------------------------------------------------------------------------- masks
+
+
+@SETTINGS
+@given(tree_inputs(), st.data())
+def test_full_mask_layout(inputs, data):
+    anchors, logprobs, budget, width = inputs
+    tree = build_tree(anchors, logprobs, budget, width)
+    batch = logprobs.shape[0]
+    prefix = data.draw(st.lists(st.integers(0, 20), min_size=batch, max_size=batch))
+    mask = full_mask(tree, torch.tensor(prefix))
+    assert mask.dtype == torch.bool and mask.dim() == 1
+    assert mask.numel() == sum(budget * (p + budget) for p in prefix)
+    assert np.array_equal(mask.numpy(), reference_full_mask(tree, prefix))
+
+
+def test_full_mask_hand_made():
+    # Tree 0 -> 1, 0 -> 2; prefix 2 for request 0 and 0 for request 1.
+    parents = torch.tensor([[-1, 0, 0], [-1, 0, 1]])
+    tree = DraftTree(
+        tokens=torch.zeros(2, 3, dtype=torch.long),
+        parents=parents,
+        depths=torch.tensor([[0, 1, 1], [0, 1, 2]]),
+        scores=torch.zeros(2, 3),
+        ancestors=ancestor_mask(parents, 2),
+    )
+    mask = full_mask(tree, torch.tensor([2, 0])).int().tolist()
+    block0 = [1, 1, 1, 0, 0] + [1, 1, 1, 1, 0] + [1, 1, 1, 0, 1]
+    block1 = [1, 0, 0] + [1, 1, 0] + [1, 1, 1]
+    assert mask == block0 + block1
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 40), min_size=0, max_size=6), st.integers(0, 2**31 - 1))
+def test_pack_bits_matches_numpy(lens, seed):
+    total = sum(lens)
+    bits = torch.rand(total, generator=torch.Generator().manual_seed(seed)) < 0.5
+    packed, indptr = pack_bits(bits, torch.tensor(lens, dtype=torch.long))
+    ref_packed, ref_indptr = reference_pack(bits.numpy(), lens)
+    assert packed.dtype == torch.uint8
+    assert np.array_equal(indptr.numpy(), ref_indptr)
+    assert np.array_equal(packed.numpy(), ref_packed)
+
+
+def test_pack_bits_hand_made():
+    bits = torch.tensor([1, 0, 0, 0, 0, 0, 0, 0, 1] + [0, 1, 1], dtype=torch.bool)
+    packed, indptr = pack_bits(bits, torch.tensor([9, 3]))
+    assert packed.tolist() == [1, 1, 6]
+    assert indptr.tolist() == [0, 2, 3]
+    bits = torch.ones(8, dtype=torch.bool)
+    packed, indptr = pack_bits(bits, torch.tensor([8]))
+    assert packed.tolist() == [255] and indptr.tolist() == [0, 1]
+
+
+@SETTINGS
+@given(tree_inputs(), st.data())
+def test_packed_mask_matches_numpy(inputs, data):
+    anchors, logprobs, budget, width = inputs
+    tree = build_tree(anchors, logprobs, budget, width)
+    batch = logprobs.shape[0]
+    prefix = data.draw(st.lists(st.integers(0, 20), min_size=batch, max_size=batch))
+    packed, indptr = packed_mask(tree, torch.tensor(prefix))
+    lens = [budget * (p + budget) for p in prefix]
+    ref_packed, ref_indptr = reference_pack(reference_full_mask(tree, prefix), lens)
+    assert np.array_equal(indptr.numpy(), ref_indptr)
+    assert np.array_equal(packed.numpy(), ref_packed)
+
+
+def test_pack_bits_matches_flashinfer_if_it_runs_on_cpu():
+    try:
+        import flashinfer
+    except Exception:  # pragma: no cover - optional
+        pytest.skip("flashinfer not importable")
+    lens = [13, 0, 8, 21, 5]
+    bits = torch.rand(sum(lens), generator=torch.Generator().manual_seed(0)) < 0.5
+    bit_indptr = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)
+    try:
+        ref_packed, ref_indptr = flashinfer.segment_packbits(bits, bit_indptr, bitorder="little")
+    except Exception as exc:
+        pytest.skip(f"flashinfer.segment_packbits does not run on CPU: {str(exc)[:80]}")
+    packed, indptr = pack_bits(bits, torch.tensor(lens))
+    assert torch.equal(packed, ref_packed.cpu().to(torch.uint8))
+    assert indptr.tolist() == ref_indptr.cpu().tolist()
