@@ -1,0 +1,1 @@
+"""SGLang plugins shipped with jetflow-sglang: a CPU platform and a CPU attention backend."""
