@@ -327,3 +327,59 @@ def test_decode_matches_torch_native():
     ours = backend.forward(q, k, v, layer, fb)
     ref = TorchNativeAttnBackend.forward_decode(backend, q, k, v, layer, fb)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------- unit: spec cache-loc kernels
+def test_spec_cache_loc_ops_match_reference_loops():
+    from jetflow_sglang.sglang_plugin.spec_ops import (
+        assign_extend_cache_locs,
+        assign_req_to_token_pool,
+    )
+
+    torch.manual_seed(2)
+    rows = torch.tensor([3, 0, 2])
+    start = torch.tensor([4, 0, 7])
+    end = torch.tensor([9, 3, 7])  # ragged, one empty row
+    locs = torch.randint(1, 1000, (int((end - start).sum()),))
+    r2t = torch.zeros(5, 32, dtype=torch.int32)
+    assign_req_to_token_pool(rows, r2t, start, end, locs, 3)
+    ref = torch.zeros_like(r2t)
+    off = 0
+    for r, s, e in zip(rows.tolist(), start.tolist(), end.tolist()):
+        ref[r, s:e] = locs[off : off + e - s].to(torch.int32)
+        off += e - s
+    assert torch.equal(r2t, ref)
+
+    got = assign_extend_cache_locs(
+        req_pool_indices=rows, req_to_token=r2t, start_offset=start, end_offset=end,
+        batch_size=3, draft_token_num=5, device="cpu",
+    )  # fmt: skip
+    assert got.dtype == torch.int64 and got.numel() == 15
+    assert torch.equal(got[: locs.numel()], locs)
+
+
+def test_plugin_routes_spec_allocation_to_torch():
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.platforms import current_platform
+
+    from jetflow_sglang.sglang_plugin.platform import JetflowCpuPlatform
+
+    if not isinstance(current_platform, JetflowCpuPlatform):
+        pytest.skip("jetflow_cpu platform not active here (CUDA host?)")
+    load_plugins()
+    from sglang.kernels.ops.speculative.cache_locs import (
+        assign_extend_cache_locs_uniform_func,
+    )
+    from sglang.srt.mem_cache import allocation
+
+    r2t = torch.zeros(4, 16, dtype=torch.int32)
+    allocation.assign_req_to_token_pool_func(
+        torch.tensor([1, 3]), r2t, torch.tensor([2, 5]), torch.tensor([4, 8]),
+        torch.tensor([10, 11, 12, 13, 14]), 2,
+    )  # fmt: skip
+    assert r2t[1, 2:4].tolist() == [10, 11] and r2t[3, 5:8].tolist() == [12, 13, 14]
+    locs = assign_extend_cache_locs_uniform_func(
+        req_pool_indices=torch.tensor([1, 3]), req_to_token=r2t,
+        start_offset=torch.tensor([2, 5]), batch_size=2, draft_token_num=2, device="cpu",
+    )  # fmt: skip
+    assert locs.tolist() == [10, 11, 12, 13]

@@ -106,6 +106,18 @@ class JetflowCpuPlatform(SRTPlatform):
     def get_dispatch_key_name(self) -> str:
         return "native"
 
+    def get_speculative_cache_locs_fn(self):
+        # Torch twin of the Triton/sgl_kernel ``assign_extend_cache_locs``.
+        from .spec_ops import assign_extend_cache_locs
+
+        return assign_extend_cache_locs
+
+    def init_backend(self) -> None:
+        # Runs in each worker when model_runner is imported, before any KV
+        # pool exists: speculative KV compaction (``move_kv_cache``) takes the
+        # torch path instead of the Triton multi-layer copy kernel.
+        os.environ.setdefault("SGLANG_NATIVE_MOVE_KV_CACHE", "1")
+
     def get_compile_backend(self, mode: str | None = None) -> str:
         return "inductor"
 
