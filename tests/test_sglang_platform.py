@@ -27,6 +27,8 @@ import torch
 
 pytest.importorskip("sglang")
 
+from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
+
 STARTUP_TIMEOUT_S = float(os.environ.get("JETFLOW_SGLANG_STARTUP_TIMEOUT", 420))
 MAX_NEW_TOKENS = 24
 PROMPTS = [
@@ -204,7 +206,7 @@ def _make_backend(num_slots: int = 256, max_ctx: int = 128):
     layer = SimpleNamespace(
         layer_id=0, tp_q_head_num=H, tp_k_head_num=HKV, tp_v_head_num=HKV,
         qk_head_dim=D, v_head_dim=D, scaling=D**-0.5, sliding_window_size=-1,
-        is_cross_attention=False, k_scale=None, v_scale=None,
+        is_cross_attention=False, k_scale=None, v_scale=None, attn_type=AttentionType.DECODER,
     )  # fmt: skip
     return backend, kv, r2t, layer
 
@@ -233,12 +235,14 @@ def _reference(q, k_all, v_all, visible):
     return out
 
 
-@pytest.mark.parametrize("layout", ["full", "qlen", "none"])
+@pytest.mark.parametrize("layout", ["full", "qlen", "none", "none_bidirectional"])
 def test_target_verify_tree_mask(layout):
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     torch.manual_seed(0)
     backend, kv, r2t, layer = _make_backend()
+    if layout == "none_bidirectional":
+        layer.attn_type = AttentionType.ENCODER_ONLY
     trees = [[-1, 0, 0, 1, 1, 2], [-1, 0, 1, 2, 0, 4]]  # two 6-node trees
     n = 6
     seq_lens = [5, 9]
@@ -256,7 +260,12 @@ def test_target_verify_tree_mask(layout):
     kv.get_key_buffer(0).copy_(prefix_k)
     kv.get_value_buffer(0).copy_(prefix_v)
 
-    tree_masks = [_tree(p) if layout != "none" else torch.ones(n, n).tril().bool() for p in trees]
+    tree_masks = [
+        _tree(p) if layout in ("full", "qlen")
+        else torch.ones(n, n).tril().bool() if layout == "none"
+        else torch.ones(n, n, dtype=torch.bool)
+        for p in trees
+    ]  # fmt: skip
     if layout == "full":
         custom = torch.cat(
             [torch.cat([torch.ones(n, s, dtype=torch.bool), m], 1).flatten() for s, m in zip(seq_lens, tree_masks)]
@@ -293,7 +302,7 @@ def test_target_verify_tree_mask(layout):
         visible = torch.cat([torch.ones(n, s, dtype=torch.bool), tree_masks[b]], 1)
         ref = _reference(q[b * n : (b + 1) * n].view(n, H, D), k_all, v_all, visible)
         torch.testing.assert_close(o[b * n : (b + 1) * n], ref, atol=1e-5, rtol=1e-5)
-    if layout != "none":
+    if layout in ("full", "qlen"):
         # The mask bites: a causal chain gives different outputs for the tree.
         fb.spec_info.custom_mask = None
         backend.init_forward_metadata(fb)

@@ -11,7 +11,8 @@ parent's extend/decode paths and adds a verify path:
 * for each request, SDPA runs its ``n`` queries over the keys of the committed
   prefix ``req_to_token[req, :seq_len]`` followed by its own ``n`` verify slots,
   with a boolean mask: prefix columns always visible, verify columns taken from
-  the tree mask (``None`` means a causal chain).
+  the tree mask (``None`` means a causal chain, or the whole block for
+  bidirectional ``ENCODER_ONLY`` layers such as a DFLASH-style draft).
 
 ``forward_batch.seq_lens`` in TARGET_VERIFY is the committed length *without*
 the verify tokens.  Two custom-mask layouts are accepted (SGLang's
@@ -35,6 +36,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 if TYPE_CHECKING:
@@ -52,20 +54,26 @@ QLEN_ONLY = "qlen"
 
 
 def split_tree_mask(
-    custom_mask: Optional[torch.Tensor], seq_lens: list[int], n: int
+    custom_mask: Optional[torch.Tensor],
+    seq_lens: list[int],
+    n: int,
+    causal: bool = True,
 ) -> list[torch.Tensor]:
     """Per-request ``[n, n]`` boolean masks over the verify tokens.
 
     ``custom_mask`` is a FULL_MASK or QLEN_ONLY mask (see module doc), or None
-    for a causal chain.  The layout is told apart by size: the two totals
+    for a causal chain (``causal``) or a fully visible block (``not causal``).
+    The layout is told apart by size: the two totals
     differ by ``n * sum(seq_lens)``, which is positive whenever a request has
     any committed prefix (always true in verify).  A FULL_MASK buffer larger
     than needed (a preallocated one) is read from its front.
     """
     bs = len(seq_lens)
     if custom_mask is None or custom_mask.numel() == 0:
-        causal = torch.ones(n, n, dtype=torch.bool).tril_()
-        return [causal] * bs
+        block = torch.ones(n, n, dtype=torch.bool)
+        if causal:
+            block.tril_()
+        return [block] * bs
     flat = custom_mask.reshape(-1)
     if flat.dtype != torch.bool:
         flat = flat != 0
@@ -231,7 +239,11 @@ class JetflowCpuAttnBackend(TorchNativeAttnBackend):
         # platform the device is the CPU, so reading it costs nothing.
         seq_lens = [int(x) for x in forward_batch.seq_lens.tolist()]
         bs = len(seq_lens)
-        tree_masks = self._tree_masks(forward_batch, spec_info, seq_lens, n)
+        # A verify-shaped forward without a tree mask is a causal chain, except
+        # for bidirectional (ENCODER_ONLY) layers, e.g. a DFLASH-style draft
+        # block run in TARGET_VERIFY mode, which see the whole block.
+        causal = layer.attn_type != AttentionType.ENCODER_ONLY
+        tree_masks = self._tree_masks(forward_batch, spec_info, seq_lens, n, causal)
 
         window = layer.sliding_window_size
         use_window = window is not None and window > -1
@@ -251,14 +263,14 @@ class JetflowCpuAttnBackend(TorchNativeAttnBackend):
             o_[qs] = _attend(q_[qs], k_cache, v_cache, kv_loc, mask, layer)
         return o
 
-    def _tree_masks(self, forward_batch, spec_info, seq_lens, n):
+    def _tree_masks(self, forward_batch, spec_info, seq_lens, n, causal):
         # One split per forward, shared by every layer.
         cache = getattr(self, "_jetflow_mask_cache", None)
         mask = getattr(spec_info, "custom_mask", None)
-        key = (id(forward_batch), id(mask), tuple(seq_lens), n)
+        key = (id(forward_batch), id(mask), tuple(seq_lens), n, causal)
         if cache is not None and cache[0] == key:
             return cache[1]
-        masks = split_tree_mask(mask, seq_lens, n)
+        masks = split_tree_mask(mask, seq_lens, n, causal)
         self._jetflow_mask_cache = (key, masks, forward_batch, mask)
         return masks
 

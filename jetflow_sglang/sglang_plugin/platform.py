@@ -96,7 +96,12 @@ class JetflowCpuPlatform(SRTPlatform):
         return ATTENTION_BACKEND_NAME
 
     def supports_speculative_algorithm(self, algorithm: str) -> bool:
-        return True
+        # Built-in algorithms need Triton / sgl_kernel tree, verify and
+        # cache-location kernels; plugin algorithms bring their own torch ones.
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        builtin = {a.name for a in SpeculativeAlgorithm} | {"NEXTN"}
+        return str(algorithm).upper() not in builtin
 
     def supports_speculative_draft_attention_backend(
         self, algorithm: str, backend: str
