@@ -30,7 +30,7 @@ class Acceptance:
     def committed_tokens(self, tree: DraftTree) -> Tensor:
         """[b, max_depth + 1]: accepted drafts then the bonus, -1 padded; num_accepted + 1 valid."""
         drafts = tree.tokens.gather(1, self.path.clamp(min=0))[:, 1:]
-        committed = torch.cat([drafts, torch.full_like(drafts[:, :1], -1)], 1)
+        committed = torch.cat([drafts, drafts.new_full((drafts.shape[0], 1), -1)], 1)
         committed.scatter_(1, self.num_accepted[:, None], self.bonus[:, None])
         valid = torch.arange(committed.shape[1], device=committed.device)[None, :] <= self.num_accepted[:, None]
         return torch.where(valid, committed, torch.full_like(committed, -1))
@@ -70,7 +70,9 @@ def processed_probs(logits: Tensor, temperature: Tensor | float, top_k: Tensor |
     drop = (top_k[..., None] > 0) & (rank >= top_k[..., None])
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    drop |= mass_before >= top_p[..., None]  # keeps the smallest prefix reaching top_p (and always rank 0)
+    # Keep the smallest prefix reaching top_p (always rank 0). top_p = 1 keeps everything: the
+    # fp32 running sum can reach 1.0 before the tail and would otherwise cut it.
+    drop |= (mass_before >= top_p[..., None]) & (top_p[..., None] < 1)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits).softmax(-1)
 

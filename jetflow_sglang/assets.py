@@ -143,24 +143,33 @@ def prepare(target_spec: str = "default") -> dict:
     return {"target": str(target_dir), "head": str(default_head_dir(target_dir))}
 
 
-def load_target_and_head(target_spec: str, head_spec: str, dtype=None):
-    """The target (with the head's taps hooked) and a head bound to it.
-
-    head_spec: `default` (shipped head, else the prepared random one), `random` (a seeded
-    untrained head built in memory) or a head directory."""
-    import torch
+def load_head(head_spec: str, target_dir: Path):
+    """`default` (shipped head, else the prepared random one), `random` (a seeded untrained
+    head built in memory) or a head directory, checked against the target's config."""
+    from transformers import AutoConfig
 
     from jetflow_sglang.head import JetFlowHead
-    from jetflow_sglang.target import Target
+    from jetflow_sglang.target import check_model_dir
 
-    dtype = dtype or torch.float32
-    target_dir = resolve_target(target_spec)
-    target = Target(target_dir, dtype=dtype)
+    check_model_dir(target_dir)
     if head_spec == "random":
         head = build_random_head(target_dir)
     else:
         head = JetFlowHead.load(default_head_dir(target_dir) if head_spec == "default" else head_spec)
-    head.config.check_fits_target(target.config)
-    target.set_tap_layers(head.config.target_layer_ids)
+    head.config.check_fits_target(AutoConfig.from_pretrained(target_dir))
+    return head
+
+
+def load_target_and_head(target_spec: str, head_spec: str, dtype=None):
+    """The target (with the head's taps hooked) and a head bound to it; the head is checked
+    against the target's config before any target weights load."""
+    import torch
+
+    from jetflow_sglang.target import Target
+
+    dtype = dtype or torch.float32
+    target_dir = resolve_target(target_spec)
+    head = load_head(head_spec, target_dir)
+    target = Target(target_dir, dtype=dtype, tap_layers=head.config.target_layer_ids)
     head = head.to(dtype).eval().requires_grad_(False)
     return target, head.bind_target(target.embedding, target.lm_head)

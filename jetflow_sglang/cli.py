@@ -38,6 +38,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from jetflow_sglang.drafter import HeadDrafter
     from jetflow_sglang.engine import ReferenceEngine, Sampling, generate_ar
 
+    from jetflow_sglang.tree import MAX_BUDGET
+
+    if not 1 <= args.budget <= MAX_BUDGET:
+        raise JetFlowError(f"budget must be between 1 and {MAX_BUDGET}, got {args.budget}")
     if args.temperature < 0:
         raise JetFlowError(f"temperature must be >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:

@@ -76,7 +76,13 @@ def check_prompt(target: Target, prompt_ids: list[int], max_new_tokens: int) -> 
 
 
 @torch.inference_mode()
-def generate_ar(target: Target, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = Sampling()) -> GenerationResult:
+def generate_ar(
+    target: Target,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    ignore_eos: bool = False,
+) -> GenerationResult:
     """Plain decoding with the target alone: the baseline and the losslessness oracle."""
     check_prompt(target, prompt_ids, max_new_tokens)
     start = time.perf_counter()
@@ -88,7 +94,7 @@ def generate_ar(target: Target, prompt_ids: list[int], max_new_tokens: int, samp
     while True:
         logits, _ = target.forward(ids, positions, cache)
         token = int(target_picks(logits[:, -1:], sampling.temperature, sampling.top_k, sampling.top_p, generator)[0, 0])
-        if _finish(tokens, [token], target.eos_token_ids, max_new_tokens):
+        if _finish(tokens, [token], set() if ignore_eos else target.eos_token_ids, max_new_tokens):
             break
         ids, positions = torch.tensor([[token]]), positions[:, -1:] + 1
     return GenerationResult(tokens=tokens, seconds=time.perf_counter() - start)

@@ -1,0 +1,71 @@
+"""A test drafter that knows the target's greedy continuation.
+
+A random head accepts almost nothing, which leaves long accepted paths, EOS and the
+token limit inside a path, and deep KV compaction untested. The oracle drafts
+logits in which the target's true next tokens sit at chosen ranks of each depth's
+top-k: per round it picks how many depths to get right (cycling through 0..D), puts the
+true token at rank 0 or a random lower rank up to that depth, and pushes it out of
+the top-k just after. Whether a path survives into the tree still depends on the
+budget, so the accepted length is whatever the tree holds, and a test can check the
+engine against it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+RANK_LOGITS = (12.0, 9.0, 8.5, 8.0, 7.5, 7.0, 6.5, 6.0)
+
+
+class OracleDrafter:
+    def __init__(
+        self,
+        continuation: list[int],
+        vocab_size: int,
+        block_size: int = 16,
+        width: int = 7,
+        seed: int = 0,
+        top_rank_share: float = 0.93,
+    ) -> None:
+        """continuation: prompt + the target's greedy tokens (run past EOS and the token limit)."""
+        self.continuation = continuation
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.width = min(width, len(RANK_LOGITS))
+        self.top_rank_share = top_rank_share
+        self.generator = torch.Generator().manual_seed(seed)
+        self.length = 0
+        self._lengths: list[int] = []
+
+    def reset(self, features: Tensor) -> None:
+        self.length = features.shape[1]
+
+    def extend(self, features: Tensor) -> None:
+        self.length += features.shape[1]
+
+    def _randint(self, high: int) -> int:
+        return int(torch.randint(high, (1,), generator=self.generator))
+
+    def propose(self, anchor: Tensor, position: int) -> Tensor:
+        assert position == self.length, "oracle context out of step with the engine"
+        depths = self.block_size - 1
+        logits = torch.randn(depths, self.vocab_size, generator=self.generator)
+        if not self._lengths:  # cycle through every length 0..D in a random order
+            self._lengths = torch.randperm(depths + 1, generator=self.generator).tolist()
+        right_until = self._lengths.pop()  # depths 1..right_until hold the true token
+        for depth in range(1, depths + 1):
+            index = position + depth
+            truth = self.continuation[index] if index < len(self.continuation) else None
+            candidates = torch.randperm(self.vocab_size, generator=self.generator)[: self.width + 1].tolist()
+            if truth is not None:
+                candidates = [c for c in candidates if c != truth][: self.width]
+                if depth <= right_until:
+                    share = torch.rand(1, generator=self.generator).item()
+                    rank = 0 if share < self.top_rank_share else 1 + self._randint(self.width - 1) if self.width > 1 else 0
+                    candidates.insert(rank, truth)
+                else:
+                    logits[depth - 1, truth] = -20.0  # out of the top-k
+            for rank, token in enumerate(candidates[: self.width]):
+                logits[depth - 1, token] = RANK_LOGITS[rank]
+        return logits[None]

@@ -1,0 +1,62 @@
+"""Shared fixtures: the real default target (fp32, so tree verify and plain decoding agree
+to rounding) with a seeded random head bound to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jetflow_sglang.assets import load_target_and_head, prepare
+
+# Chat prompts that end in EOS within a few dozen tokens, and raw completions that run on.
+PROMPTS = [
+    ("Say hello in one word.", True),
+    ("What is 2+2? Answer with a number only.", True),
+    ("Reply with OK.", True),
+    ("Is the sky blue? Yes or no.", True),
+    ("Explain recursion in one sentence.", True),
+    ("List three fruits.", True),
+    ("def add(a, b):", False),
+    ("The capital of France is", False),
+    ("for i in range(10):", False),
+    ("Write a haiku about rain.", True),
+]
+
+
+@pytest.fixture(scope="session")
+def prepared() -> dict:
+    return prepare("default")
+
+
+@pytest.fixture(scope="session")
+def target_and_head(prepared):
+    torch.manual_seed(0)
+    return load_target_and_head(prepared["target"], "random", torch.float32)
+
+
+@pytest.fixture(scope="session")
+def target(target_and_head):
+    return target_and_head[0]
+
+
+@pytest.fixture(scope="session")
+def random_head(target_and_head):
+    return target_and_head[1]
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(target) -> list[list[int]]:
+    return [target.encode_prompt(text, chat) for text, chat in PROMPTS]
+
+
+def hf_greedy(target, ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF transformers' own greedy decoding: the oracle for losslessness."""
+    with torch.inference_mode():
+        out = target.model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=target.tokenizer.pad_token_id or 0,
+        )
+    return out[0, len(ids) :].tolist()

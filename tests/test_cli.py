@@ -1,0 +1,124 @@
+"""The `jetflow` console script: prepare, generate, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jetflow_sglang.cli import main
+
+JETFLOW = [sys.executable, "-m", "jetflow_sglang.cli"]
+
+
+def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([*JETFLOW, *args], capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+
+
+def test_prepare_is_idempotent_and_reports_loadable_paths(prepared):
+    out = run_cli("prepare")
+    assert out.returncode == 0, out.stderr
+    again = json.loads(out.stdout.strip().splitlines()[-1])
+    assert again == prepared
+    target, head = Path(again["target"]), Path(again["head"])
+    assert (target / "config.json").is_file() and list(target.glob("*.safetensors"))
+    assert (target / "tokenizer.json").is_file() and (target / "chat_template.jinja").is_file()
+    assert (head / "config.json").is_file() and (head / "model.safetensors").is_file()
+
+
+def test_generate_random_head_json_is_identical_to_plain_decoding(prepared):
+    out = run_cli(
+        "generate", "--head", "random", "--budget", "64", "--compare-ar", "--json",
+        "--max-new-tokens", "24", "--prompt", "def fibonacci(n):",
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["identical"] is True
+    assert report["new_tokens"] == 24 and report["rounds"] >= 1
+    assert 1.0 <= report["tau"] < 2.0  # an untrained head accepts almost nothing
+    for key in ("text", "tokens_per_s", "ar_tokens_per_s", "speedup"):
+        assert key in report
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("budget", ["0", "513"])
+def test_budget_out_of_range_is_one_line_error(prepared, capsys, budget):
+    assert main(["generate", "--budget", budget, "--prompt", "x", "--head", prepared["head"]]) == 2
+    assert "budget" in _error_line(capsys)
+
+
+def _head_copy(prepared, tmp_path, **jetflow_fields) -> Path:
+    head = tmp_path / "head"
+    shutil.copytree(prepared["head"], head)
+    config = json.loads((head / "config.json").read_text())
+    config["jetflow"].update(jetflow_fields)
+    (head / "config.json").write_text(json.dumps(config))
+    return head
+
+
+def test_head_with_block_size_below_two_is_refused(prepared, tmp_path, capsys):
+    head = _head_copy(prepared, tmp_path, block_size=1)
+    assert main(["generate", "--prompt", "x", "--head", str(head)]) == 2
+    assert "block size" in _error_line(capsys)
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ({"target_hidden_size": 640}, "hidden size"),
+        ({"target_vocab_size": 1000}, "vocab size"),
+        ({"target_layer_ids": [1, 40]}, "layers"),
+    ],
+)
+def test_head_built_for_another_target_is_refused(prepared, tmp_path, capsys, overrides, words):
+    from transformers import AutoConfig
+
+    from jetflow_sglang.head import JetFlowConfig, JetFlowHead
+
+    target_config = AutoConfig.from_pretrained(prepared["target"])
+    config = JetFlowConfig.for_target(target_config, num_layers=1, intermediate_size=64, **overrides)
+    JetFlowHead(config).save(tmp_path / "other")
+    assert main(["generate", "--prompt", "x", "--head", str(tmp_path / "other")]) == 2
+    assert words in _error_line(capsys)
+
+
+def test_missing_and_pickled_heads_are_refused(prepared, tmp_path, capsys):
+    assert main(["generate", "--prompt", "x", "--head", str(tmp_path / "nowhere")]) == 2
+    assert "not found" in _error_line(capsys)
+    head = _head_copy(prepared, tmp_path)
+    (head / "model.safetensors").rename(head / "pytorch_model.bin")
+    assert main(["generate", "--prompt", "x", "--head", str(head)]) == 2
+    assert "safetensors" in _error_line(capsys)
+
+
+def test_target_without_safetensors_is_refused(prepared, tmp_path, capsys):
+    target = tmp_path / "target"
+    target.mkdir()
+    shutil.copy(Path(prepared["target"]) / "config.json", target)
+    (target / "pytorch_model.bin").write_bytes(b"not loaded")
+    assert main(["generate", "--prompt", "x", "--target", str(target), "--head", "random"]) == 2
+    assert "safetensors" in _error_line(capsys)
+
+
+def test_prompt_longer_than_context_is_refused(prepared, capsys):
+    assert main(["generate", "--prompt", "word " * 9000, "--head", prepared["head"]]) == 2
+    assert "context" in _error_line(capsys)
+
+
+def test_console_script_exits_nonzero_with_one_line(prepared):
+    out = run_cli("generate", "--budget", "0", "--prompt", "x")
+    assert out.returncode != 0
+    assert out.stderr.strip().startswith("jetflow: error:") and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1

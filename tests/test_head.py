@@ -1,0 +1,123 @@
+"""The JetFlow head: checkpoint format, causal vs bidirectional block, incremental context."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from jetflow_sglang.drafter import HeadDrafter
+from jetflow_sglang.errors import JetFlowError
+from jetflow_sglang.head import JetFlowConfig, JetFlowHead, default_tap_layers
+
+
+def small_head(causal: bool = True, seed: int = 0) -> JetFlowHead:
+    config = JetFlowConfig(
+        target_hidden_size=32,
+        target_vocab_size=50,
+        target_num_layers=8,
+        target_layer_ids=[1, 4, 5],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        num_layers=2,
+        block_size=6,
+        causal=causal,
+    )
+    generator = torch.Generator().manual_seed(seed)
+    head = JetFlowHead(config).init_weights(seed)
+    embedding = torch.randn(50, 32, generator=generator)
+    return head.bind_target(embedding, torch.randn(50, 32, generator=generator)).eval()
+
+
+def test_default_taps_follow_the_paper_layout():
+    assert default_tap_layers(30) == [1, 7, 15, 22, 27]
+    assert default_tap_layers(36) == [1, 9, 18, 27, 33]
+
+
+def test_save_load_roundtrip_without_target_weights(tmp_path):
+    head = small_head()
+    head.save(tmp_path / "head")
+    saved = load_file(str(tmp_path / "head" / "model.safetensors"))
+    assert set(saved) == {name for name, _ in head.named_parameters()}  # the head's own weights only
+    assert "mask_embedding" in saved and sum(t.numel() for t in saved.values()) < 60_000
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert config["architectures"] == ["JetFlowDraftModel"] and config["model_type"] == "llama"
+    assert config["jetflow"]["block_size"] == 6 and config["jetflow"]["causal"] is True
+    assert config["jetflow"]["mask_token_id"] == 50  # one past the target vocabulary
+    loaded = JetFlowHead.load(tmp_path / "head").bind_target(head._target_embedding, head._target_lm_head).eval()
+    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    features = torch.randn(1, 5, 3 * 32)
+    context = head.context_kv(features, torch.arange(5)[None])
+    expected = head.draft(torch.tensor([3]), torch.tensor([5]), context)
+    got = loaded.draft(torch.tensor([3]), torch.tensor([5]), loaded.context_kv(features, torch.arange(5)[None]))
+    assert torch.equal(expected, got)
+
+
+def test_config_loads_with_transformers_autoconfig(tmp_path):
+    from transformers import AutoConfig
+
+    small_head().save(tmp_path / "head")
+    config = AutoConfig.from_pretrained(tmp_path / "head")
+    assert config.architectures == ["JetFlowDraftModel"]
+    assert config.hidden_size == 32 and config.num_hidden_layers == 2
+
+
+def test_causal_block_slots_ignore_later_slots_bidirectional_do_not():
+    for causal in (True, False):
+        head = small_head(causal=causal)
+        context = head.context_kv(torch.randn(1, 4, 96), torch.arange(4)[None])
+        mask = torch.cat([torch.ones(6, 4, dtype=torch.bool), head.block_mask(6, torch.device("cpu"))], -1)[None, None]
+        positions = torch.arange(4, 10)[None]
+        block = torch.tensor([[7, 50, 50, 50, 50, 50]])
+        changed = block.clone()
+        changed[0, 4] = 9  # a later slot holds a real token instead of MASK
+        a = head.forward_block(block, positions, context, mask)
+        b = head.forward_block(changed, positions, context, mask)
+        early_same = torch.allclose(a[:, :4], b[:, :4])
+        assert early_same is causal
+
+
+def test_incremental_context_equals_full_recompute():
+    head = small_head()
+    features = torch.randn(1, 9, 96)
+    whole = HeadDrafter(head)
+    whole.reset(features)
+    pieces = HeadDrafter(head, capacity=2)  # forces the buffers to grow
+    pieces.reset(features[:, :3])
+    pieces.extend(features[:, 3:4])
+    pieces.extend(features[:, 4:9])
+    a = whole.propose(torch.tensor([5]), 9)
+    b = pieces.propose(torch.tensor([5]), 9)
+    assert a.shape == (1, 5, 50)
+    torch.testing.assert_close(a, b)
+
+
+def test_mask_token_uses_the_heads_own_embedding():
+    head = small_head()
+    embedded = head.embed_block(torch.tensor([[3, 50]]))
+    torch.testing.assert_close(embedded[0, 0], head._target_embedding[3])
+    torch.testing.assert_close(embedded[0, 1], head.mask_embedding.detach())
+
+
+def test_block_size_below_two_is_refused():
+    with pytest.raises(JetFlowError, match="block size"):
+        JetFlowConfig(32, 50, 8, [1], 4, 2, 8, 48, block_size=1)
+
+
+def test_load_refuses_pickle_and_mismatched_weights(tmp_path):
+    head_dir = tmp_path / "head"
+    small_head().save(head_dir)
+    (head_dir / "model.safetensors").rename(head_dir / "pytorch_model.bin")
+    with pytest.raises(JetFlowError, match="safetensors"):
+        JetFlowHead.load(head_dir)
+    small_head().save(head_dir)
+    config = json.loads((head_dir / "config.json").read_text())
+    config["jetflow"]["num_layers"] = 3
+    (head_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(JetFlowError, match="do not match"):
+        JetFlowHead.load(head_dir)
