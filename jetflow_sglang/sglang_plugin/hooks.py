@@ -3,17 +3,31 @@
 Runs in every SGLang process (``sglang.srt.plugins.load_plugins``):
 
 * registers the ``jetflow_cpu`` attention backend and CLI choice;
+* registers ``--speculative-algorithm JETFLOW`` (:mod:`.spec_algo`) through
+  ``SpeculativeAlgorithm.register``;
 * wraps ``sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func``
   (a Triton kernel with an ``sgl_kernel`` CPU twin, used by speculative decode
   allocation) so that, only while the ``jetflow_cpu`` platform is active, it
-  runs the torch version in :mod:`.spec_ops`.  Elsewhere it calls the original.
+  runs the torch version in :mod:`.spec_ops`.  Elsewhere it calls the original;
+* wraps ``MHATokenToKVPool._init_kv_copy_and_warmup`` (SGLang builds the KV pool
+  with the Triton slot-copy kernel and warms it up whenever a speculative
+  algorithm is set) so that on ``jetflow_cpu`` it is skipped: the platform sets
+  ``SGLANG_NATIVE_MOVE_KV_CACHE``, so KV compaction takes the torch move and the
+  Triton copy is never used;
+* wraps the scheduler's request check ``validate_input_length`` (the one place
+  every generate request passes before it is queued; SGLang has no request
+  validation seam for speculative algorithms) so that, only while JETFLOW is the
+  speculative algorithm, a sampling or grammar-constrained request is refused
+  with a 400 and a message saying why, instead of being decoded greedily.
 """
 
 from __future__ import annotations
 
-from . import attention
+from . import attention, spec_algo
 
 ASSIGN_REQ_TO_TOKEN = "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func"
+KV_COPY_WARMUP = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup"
+VALIDATE_REQUEST = "sglang.srt.managers.utils.validate_input_length"
 
 
 def _on_jetflow_cpu() -> bool:
@@ -32,8 +46,35 @@ def _assign_req_to_token_pool_around(original, *args, **kwargs):
     return original(*args, **kwargs)
 
 
+def _kv_copy_warmup_around(original, pool, *args, **kwargs):
+    if _on_jetflow_cpu() and getattr(pool, "use_native_move_kv_cache", False):
+        pool._kv_copy_config = None
+        return None
+    return original(pool, *args, **kwargs)
+
+
+def _jetflow_active() -> bool:
+    from sglang.srt.runtime_context import get_spec
+
+    try:
+        name = get_spec().speculative_algorithm
+    except Exception:  # runtime context not initialised (not a scheduler process)
+        return False
+    return str(name or "").upper() == spec_algo.ALGORITHM
+
+
+def _validate_request_around(original, req, *args, **kwargs):
+    error = original(req, *args, **kwargs)
+    if error is None and _jetflow_active():
+        error = spec_algo.request_error(req)
+    return error
+
+
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     attention.register()
+    spec_algo.register()
     HookRegistry.register(ASSIGN_REQ_TO_TOKEN, _assign_req_to_token_pool_around, HookType.AROUND)
+    HookRegistry.register(KV_COPY_WARMUP, _kv_copy_warmup_around, HookType.AROUND)
+    HookRegistry.register(VALIDATE_REQUEST, _validate_request_around, HookType.AROUND)

@@ -1,0 +1,112 @@
+"""Proposers for the SGLang JETFLOW worker: per-depth draft logits for a batch.
+
+The worker never learns what is behind a proposer: the JetFlow head (keeping its
+context K/V in buffers indexed by the target's KV slot ids, so radix-cache hits
+reuse it), or, in tests, an oracle that knows each prompt's greedy continuation
+(`JETFLOW_TEST_ORACLE`: a JSON file of ``[[prompt_ids, continuation_ids], ...]``)
+and puts the true tokens at random ranks of each depth's top-k.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from jetflow_sglang.head import JetFlowHead
+from jetflow_sglang.oracle import OracleDrafter
+
+
+@dataclass
+class DraftRequest:
+    """The batch as a proposer sees it; anchors sit at position seq_lens (not yet in the KV cache)."""
+
+    anchors: Tensor  # [b] int64, last committed token
+    seq_lens: Tensor  # [b] int64, committed tokens with target KV (and head context K/V)
+    req_pool_indices: Tensor  # [b] rows of req_to_token
+    prompts: Sequence[Sequence[int]]  # origin input ids per request
+    rids: Sequence[str]
+
+
+class Proposer(Protocol):
+    block_size: int
+
+    def write_context(self, features: Tensor, slots: Tensor, positions: Tensor) -> None:
+        """Committed tokens' fused target features [n, F] at KV slots [n] and positions [n]."""
+
+    def propose(self, request: DraftRequest) -> Tensor:
+        """Draft logits [b, block_size - 1, V] for positions seq_len + 1 ...."""
+
+
+class HeadProposer:
+    """The JetFlow head; its context K/V live in [layers, slots, kv_heads, head_dim] buffers."""
+
+    def __init__(self, head: JetFlowHead, req_to_token: Tensor, num_slots: int, device: torch.device | str) -> None:
+        config = head.config
+        self.head = head
+        self.block_size = config.block_size
+        self.req_to_token = req_to_token
+        dtype = head.fc.weight.dtype
+        shape = (config.num_layers, num_slots, config.num_key_value_heads, config.head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+
+    @torch.inference_mode()
+    def write_context(self, features: Tensor, slots: Tensor, positions: Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        kv = self.head.context_kv(features[None], positions.long()[None])  # per layer [1, h, n, d]
+        slots = slots.long()
+        for layer, (k, v) in enumerate(kv):
+            self.keys[layer, slots] = k[0].transpose(0, 1).to(self.keys.dtype)
+            self.values[layer, slots] = v[0].transpose(0, 1).to(self.values.dtype)
+
+    @torch.inference_mode()
+    def propose(self, request: DraftRequest) -> Tensor:
+        seq_lens = request.seq_lens.long()
+        width = max(int(seq_lens.max()), 1)
+        columns = torch.arange(width, device=seq_lens.device)
+        valid = columns[None, :] < seq_lens[:, None]  # [b, C]
+        rows = self.req_to_token[request.req_pool_indices.long()][:, :width].long()
+        slots = torch.where(valid, rows, torch.zeros_like(rows))
+        context = [
+            (self.keys[layer][slots].permute(0, 2, 1, 3), self.values[layer][slots].permute(0, 2, 1, 3))
+            for layer in range(self.keys.shape[0])
+        ]
+        return self.head.draft(request.anchors.long(), seq_lens, context, valid)
+
+
+class OracleProposer:
+    """Test proposer: one `OracleDrafter` per request over its prompt's known greedy continuation."""
+
+    def __init__(self, path: str, vocab_size: int, block_size: int, width: int, seed: int = 0) -> None:
+        with open(path) as f:
+            pairs = json.load(f)
+        self.continuations = {tuple(prompt): list(prompt) + list(cont) for prompt, cont in pairs}
+        self.vocab_size, self.block_size, self.width, self.seed = vocab_size, block_size, width, seed
+        self._drafters: dict[str, OracleDrafter] = {}
+
+    def write_context(self, features: Tensor, slots: Tensor, positions: Tensor) -> None:
+        pass
+
+    def propose(self, request: DraftRequest) -> Tensor:
+        out = []
+        live = set(request.rids)
+        for rid in [r for r in self._drafters if r not in live]:
+            del self._drafters[rid]
+        for i, rid in enumerate(request.rids):
+            drafter = self._drafters.get(rid)
+            if drafter is None:
+                prompt = tuple(request.prompts[i])
+                continuation = self.continuations.get(prompt, list(prompt))
+                drafter = OracleDrafter(
+                    continuation, self.vocab_size, self.block_size, self.width, seed=self.seed + len(self._drafters)
+                )
+                self._drafters[rid] = drafter
+            position = int(request.seq_lens[i])
+            drafter.length = position
+            out.append(drafter.propose(request.anchors[i : i + 1], position))
+        return torch.cat(out, 0).to(request.anchors.device)

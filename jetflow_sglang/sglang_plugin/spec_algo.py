@@ -1,0 +1,144 @@
+"""`--speculative-algorithm JETFLOW`: registration, server-args validation, request checks.
+
+Registered from the general plugin entry point (group ``sglang.srt.plugins``,
+:func:`jetflow_sglang.sglang_plugin.hooks.register`) with SGLang's own extension
+point ``SpeculativeAlgorithm.register``. The validator runs in the launcher while
+SGLang resolves its server args, so a head that does not fit the target, a missing
+or non-safetensors head, or a budget out of range stops the server before any
+model loads, with one message naming the problem.
+
+Flags are SGLang's own: ``--speculative-draft-model-path`` (the head directory),
+``--speculative-num-draft-tokens`` (tree budget N, root included, 1..512),
+``--speculative-eagle-topk`` (tree width, default 7). The head's config.json
+carries the block size and the target tap layers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+ALGORITHM = "JETFLOW"
+DEFAULT_BUDGET = 64
+DEFAULT_WIDTH = 7
+GREEDY_ONLY = (
+    "JETFLOW speculative decoding supports greedy decoding only for now "
+    "(temperature 0 or top_k 1); got {what}"
+)
+
+
+class JetFlowSpecAlgo(CustomSpecAlgo):
+    """Adds what SGLang 0.5.23's scheduler calls on every start but CustomSpecAlgo lacks."""
+
+    def carries_draft_hidden_states(self) -> bool:
+        return False
+
+    def need_topk(self) -> bool:
+        return False
+
+    def has_draft_kv(self) -> bool:
+        return False  # the tree lives in the verify mask; no per-branch draft KV
+
+    def get_platform_worker_cls(self) -> Optional[type]:
+        return None
+
+    def create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens: bool = True, needs_confidence_relay: bool = False):
+        from sglang.srt.managers.overlap_utils import FutureMap
+
+        return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
+
+
+def _fail(message: str) -> None:
+    raise ValueError(f"JETFLOW: {message}")
+
+
+def validate_server_args(server_args) -> None:
+    """Check the head against the target and the budget; fill the tree shape settings.
+
+    ``server_args`` is SGLang's recorder: reads see resolved values, writes become
+    declared settings that workers read through ``runtime_context.get_spec()``."""
+    from transformers import AutoConfig
+
+    from jetflow_sglang.errors import JetFlowError
+    from jetflow_sglang.head import JetFlowHead
+    from jetflow_sglang.tree import MAX_BUDGET, max_tree_nodes
+
+    head_path = server_args.speculative_draft_model_path
+    if not head_path:
+        _fail("--speculative-draft-model-path (the JetFlow head directory) is required")
+    budget = server_args.speculative_num_draft_tokens
+    if budget is None:
+        budget = DEFAULT_BUDGET
+        server_args.speculative_num_draft_tokens = budget
+    if not 1 <= int(budget) <= MAX_BUDGET:
+        _fail(f"--speculative-num-draft-tokens (tree budget) must be between 1 and {MAX_BUDGET}, got {budget}")
+    width = server_args.speculative_eagle_topk
+    if width is None:
+        width = DEFAULT_WIDTH
+        server_args.speculative_eagle_topk = width
+    if int(width) < 1:
+        _fail(f"--speculative-eagle-topk (tree width) must be at least 1, got {width}")
+    try:
+        head = JetFlowHead.load(head_path)
+    except JetFlowError as exc:
+        _fail(str(exc))
+    config = head.config
+    target = AutoConfig.from_pretrained(server_args.model_path, trust_remote_code=server_args.trust_remote_code)
+    try:
+        config.check_fits_target(target)
+    except JetFlowError as exc:
+        _fail(str(exc))
+    text = getattr(target, "text_config", None) or target
+    last = text.num_hidden_layers - 1
+    if last in config.target_layer_ids:
+        # SGLang captures a layer's output as the next layer's input: the last layer has none.
+        _fail(f"head taps the target's last layer ({last}); SGLang can capture layers 0..{last - 1} only")
+    depths = config.block_size - 1
+    if int(budget) > max_tree_nodes(depths, int(width)):
+        _fail(
+            f"tree budget {budget} exceeds the {max_tree_nodes(depths, int(width))} nodes that "
+            f"{depths} draft depths of width {width} can hold"
+        )
+    if server_args.speculative_num_steps is None:
+        server_args.speculative_num_steps = depths
+    if getattr(server_args, "pp_size", 1) > 1:
+        _fail("pipeline parallelism is not supported")
+    if getattr(server_args, "enable_dp_attention", False):
+        _fail("DP attention is not supported")
+    if getattr(server_args, "disaggregation_mode", "null") not in (None, "null"):
+        _fail("prefill/decode disaggregation is not supported")
+
+
+def request_error(req) -> Optional[str]:
+    """Why JETFLOW cannot serve this request correctly, or None (greedy, no grammar)."""
+    params = req.sampling_params
+    temperature = getattr(params, "temperature", 0.0) or 0.0
+    top_k = getattr(params, "top_k", 1)
+    if temperature > 0 and top_k != 1:
+        return GREEDY_ONLY.format(what=f"temperature {temperature}")
+    for field in ("json_schema", "regex", "ebnf", "structural_tag"):
+        if getattr(params, field, None):
+            return GREEDY_ONLY.format(what=f"a {field} grammar constraint (not supported yet)")
+    return None
+
+
+def _factory(server_args):
+    from .worker import JetFlowWorker
+
+    return JetFlowWorker
+
+
+def register() -> None:
+    """Idempotent: register JETFLOW with SGLang's speculative algorithm registry."""
+    from sglang.srt.speculative.spec_registry import get_spec
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    if get_spec(ALGORITHM) is not None:
+        return
+    SpeculativeAlgorithm.register(
+        ALGORITHM,
+        supports_overlap=True,
+        validate_server_args=validate_server_args,
+        spec_class=JetFlowSpecAlgo,
+    )(_factory)

@@ -1,0 +1,253 @@
+"""The JETFLOW spec-v2 worker: draft a tree with the head, verify it in one target forward.
+
+No separate SGLang draft model runner: the head is a plain torch module bound to
+the target's embedding and lm_head, and its context K/V live in the proposer's
+own buffers, indexed by the target's KV slot ids (radix-cache hits reuse them).
+
+* Extend: the target forward with the head's tap layers captured
+  (``CaptureHiddenMode.FULL``); the new tokens' fused features become head context
+  K/V at the slots and positions the target just wrote.
+* Decode: ``batch.seq_lens`` committed tokens have KV; the anchor (the pending
+  bonus token, ``spec_info.bonus_tokens``) sits at position ``seq_len``. One draft
+  pass -> best-first tree (``jetflow_sglang.tree``) -> one TARGET_VERIFY forward
+  with the FULL_MASK tree mask -> greedy tree walk (``jetflow_sglang.accept``) ->
+  the accepted path's target KV moves to the front slots ``[seq_len, seq_len + a]``
+  and its features become head context K/V there. Committed tokens (accepted drafts
+  then the bonus) go at the front of each request's row of width Q.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import defaultdict
+from typing import Optional
+
+import torch
+
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.managers.schedule_batch import ScheduleBatch
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+from sglang.srt.runtime_context import get_spec
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
+from sglang.srt.speculative.eagle_info import EagleVerifyInput
+from sglang.srt.speculative.eagle_utils import eagle_prepare_for_verify
+
+from jetflow_sglang.accept import accept_tree
+from jetflow_sglang.head import JetFlowHead
+from jetflow_sglang.tree import DraftTree, build_tree, full_mask
+
+from .proposer import DraftRequest, HeadProposer, OracleProposer, Proposer
+from .spec_algo import request_error
+
+logger = logging.getLogger(__name__)
+
+ORACLE_ENV = "JETFLOW_TEST_ORACLE"
+PROFILE_ENV = "JETFLOW_PROFILE"
+
+
+class JetFlowWorker(BaseSpecWorker):
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker) -> None:
+        super().__init__()
+        self.server_args = server_args
+        self._target_worker = target_worker
+        self._draft_worker = None
+        self.model_runner = target_worker.model_runner
+        self.device = self.model_runner.device
+        spec = get_spec()
+        self.budget = int(spec.speculative_num_draft_tokens)
+        self.width = int(spec.speculative_eagle_topk)
+        self.speculative_num_draft_tokens = self.budget
+        model = self.model_runner.model
+        self.vocab_size = int(self.model_runner.model_config.vocab_size)
+        head = JetFlowHead.load(spec.speculative_draft_model_path, dtype=self.model_runner.dtype)
+        head = head.to(self.device).eval().requires_grad_(False)
+        embedding = model.model.embed_tokens.weight[: self.vocab_size]
+        lm_head = model.lm_head.weight[: self.vocab_size]
+        self.head = head.bind_target(embedding, lm_head)
+        self.block_size = head.config.block_size
+        self.depths = self.block_size - 1
+        # Before the target's attention backends and graphs are set up (scheduler order).
+        model.set_dflash_layers_to_capture(list(head.config.target_layer_ids))
+        self.proposer: Optional[Proposer] = None
+        self.profile = os.environ.get(PROFILE_ENV, "") == "1"
+        self.timings: dict[str, float] = defaultdict(float)
+        self.rounds = 0
+
+    # -- what the scheduler reads -----------------------------------------------------
+    @property
+    def draft_worker(self):
+        return None
+
+    def _draft_model_runners(self) -> tuple:
+        return ()
+
+    def weight_update_runners(self) -> list:
+        return []
+
+    def __getattr__(self, name):
+        if name == "_target_worker":
+            raise AttributeError(name)
+        return getattr(self.target_worker, name)
+
+    def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None) -> None:
+        self.req_to_token_pool, self.token_to_kv_pool_allocator = self._target_worker.get_memory_pool()
+        kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
+        num_slots = int(kv_pool.size) + int(kv_pool.page_size) + 1
+        oracle = os.environ.get(ORACLE_ENV)
+        if oracle:
+            logger.warning("JETFLOW: test oracle proposer from %s (not the head)", oracle)
+            self.proposer = OracleProposer(oracle, self.vocab_size, self.block_size, self.width)
+        else:
+            self.proposer = HeadProposer(self.head, self.req_to_token_pool.req_to_token, num_slots, self.device)
+
+    # -- forward -----------------------------------------------------------------------
+    def forward_batch_generation(
+        self, batch: ScheduleBatch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None
+    ) -> GenerationBatchResult:
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+            return self._extend(batch, on_publish)
+        if batch.forward_mode.is_idle() or len(batch.reqs) == 0:
+            return self._idle(on_publish)
+        return self._decode(batch, on_publish)
+
+    def _idle(self, on_publish) -> GenerationBatchResult:
+        empty = torch.empty((0,), dtype=torch.int64, device=self.device)
+        draft_input = make_draft_input_v2(bonus_tokens=empty, new_seq_lens=empty)
+        if on_publish is not None:
+            on_publish(draft_input.new_seq_lens)
+        return GenerationBatchResult(
+            logits_output=None,
+            next_token_ids=empty,
+            accept_lens=torch.empty((0,), dtype=torch.int32, device=self.device),
+            new_seq_lens=draft_input.new_seq_lens,
+            next_draft_input=draft_input,
+            can_run_cuda_graph=False,
+            speculative_num_draft_tokens=self.budget,
+        )
+
+    @torch.inference_mode()
+    def _extend(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
+        for req in batch.reqs:
+            error = request_error(req)
+            if error is not None:  # admission (hooks.py) refuses these; never expected here
+                logger.error("JETFLOW: %s (request %s decodes greedily)", error, req.rid)
+        out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
+        out.new_seq_lens = batch.seq_lens
+        if on_publish is not None:
+            on_publish(batch.seq_lens)
+        if batch.forward_mode.is_idle():
+            out.next_draft_input = make_draft_input_v2(
+                bonus_tokens=torch.empty((0,), dtype=torch.int64, device=self.device),
+                new_seq_lens=torch.empty((0,), dtype=torch.int64, device=self.device),
+            )
+            return out
+        hidden = out.logits_output.hidden_states
+        extend_lens = list(batch.extend_lens)
+        if hidden is None or hidden.shape[0] != sum(extend_lens):
+            raise RuntimeError(
+                f"JETFLOW: expected tapped target features for {sum(extend_lens)} prompt tokens, got "
+                f"{None if hidden is None else tuple(hidden.shape)}"
+            )
+        positions = torch.cat(
+            [torch.arange(p, p + n, device=self.device) for p, n in zip(batch.prefix_lens, extend_lens)]
+        )
+        self.proposer.write_context(hidden, batch.out_cache_loc, positions)
+        out.logits_output.hidden_states = None
+        out.next_draft_input = make_draft_input_v2(bonus_tokens=out.next_token_ids, new_seq_lens=batch.seq_lens)
+        return out
+
+    def _tick(self, name: str, start: float) -> float:
+        now = time.perf_counter()
+        if self.profile:
+            self.timings[name] += now - start
+        return now
+
+    @torch.inference_mode()
+    def _decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
+        t = time.perf_counter()
+        bs, budget = len(batch.reqs), self.budget
+        seq_lens = batch.seq_lens.to(torch.int64)
+        anchors = batch.spec_info.bonus_tokens.to(torch.int64)
+        request = DraftRequest(
+            anchors=anchors,
+            seq_lens=seq_lens,
+            req_pool_indices=batch.req_pool_indices,
+            prompts=[req.origin_input_ids for req in batch.reqs],
+            rids=[req.rid for req in batch.reqs],
+        )
+        logits = self.proposer.propose(request)
+        t = self._tick("draft", t)
+
+        tree = build_tree(anchors, logits.float().log_softmax(-1), budget, self.width)
+        verify_input = self._verify_input(tree, seq_lens, batch)
+        t = self._tick("tree", t)
+
+        batch.spec_info = verify_input
+        verify_batch, _ = eagle_prepare_for_verify(verify_input, self.req_to_token_pool, batch, self.target_worker)
+        target = self.target_worker.forward_batch_generation(batch=None, forward_batch=verify_batch, is_verify=True)
+        logits_output: LogitsProcessorOutput = target.logits_output
+        picks = logits_output.next_token_logits.argmax(-1).view(bs, budget)
+        t = self._tick("verify", t)
+
+        acceptance = accept_tree(tree, picks, max_depth=self.depths)
+        accept_lens = (acceptance.num_accepted + 1).to(torch.int32)
+        new_seq_lens = seq_lens + accept_lens
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        span = min(budget, self.depths + 1)  # committed tokens never exceed either
+        path = acceptance.path[:, :span]
+        on_path = path >= 0
+        verify_slots = verify_batch.out_cache_loc.view(bs, budget).to(torch.int64)
+        front = verify_slots[:, :span]
+        src = verify_slots.gather(1, path.clamp(min=0))
+        moved = on_path & (src != front)
+        if bool(moved.any()):
+            self.token_to_kv_pool_allocator.get_kvcache().move_kv_cache(front[moved], src[moved])
+        features = logits_output.hidden_states.view(bs, budget, -1)
+        path_features = features.gather(1, path.clamp(min=0)[..., None].expand(-1, -1, features.shape[-1]))
+        positions = seq_lens[:, None] + torch.arange(span, device=self.device)[None, :]
+        self.proposer.write_context(path_features[on_path], front[on_path], positions[on_path])
+        logits_output.hidden_states = None
+
+        committed = acceptance.committed_tokens(tree)[:, :span]
+        next_token_ids = torch.zeros((bs, budget), dtype=torch.int64, device=self.device)
+        next_token_ids[:, :span] = committed.clamp(min=0)
+        batch.forward_mode = ForwardMode.DECODE
+        self._tick("bookkeeping", t)
+        self.rounds += 1
+        if self.profile and self.rounds % 50 == 0:
+            total = sum(self.timings.values())
+            shares = ", ".join(f"{k} {v / total:.0%} ({1000 * v / self.rounds:.1f} ms)" for k, v in self.timings.items())
+            logger.info("JETFLOW profile over %d rounds (bs=%d, N=%d): %s", self.rounds, bs, budget, shares)
+        return GenerationBatchResult(
+            logits_output=logits_output,
+            next_token_ids=next_token_ids.flatten(),
+            accept_lens=accept_lens,
+            new_seq_lens=new_seq_lens,
+            next_draft_input=make_draft_input_v2(bonus_tokens=acceptance.bonus, new_seq_lens=new_seq_lens),
+            can_run_cuda_graph=target.can_run_cuda_graph,
+            speculative_num_draft_tokens=budget,
+        )
+
+    def _verify_input(self, tree: DraftTree, seq_lens: torch.Tensor, batch: ScheduleBatch) -> EagleVerifyInput:
+        bs, budget = tree.tokens.shape
+        no_link = torch.full((bs, budget), -1, dtype=torch.int64, device=self.device)
+        return EagleVerifyInput(
+            draft_token=tree.tokens.flatten(),
+            custom_mask=full_mask(tree, seq_lens),
+            positions=tree.positions(seq_lens).flatten(),
+            retrieve_index=torch.arange(bs * budget, device=self.device).view(bs, budget),
+            retrieve_next_token=no_link,
+            retrieve_next_sibling=no_link,
+            retrieve_cum_len=None,
+            spec_steps=self.depths,
+            topk=self.width,
+            draft_token_num=budget,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+            seq_lens_sum=int(seq_lens.sum()),
+            seq_lens_cpu=seq_lens.cpu(),
+        )
