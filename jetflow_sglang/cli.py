@@ -79,6 +79,64 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print("  ".join(f"{k}={v}" for k, v in report.items()), flush=True)
 
 
+def cmd_regenerate(args: argparse.Namespace) -> None:
+    from jetflow_sglang.regenerate import RegenerateConfig, regenerate
+
+    config = RegenerateConfig(
+        target=args.target,
+        prompts=args.prompts,
+        out=args.out,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        backend=args.backend,
+    )
+    report = regenerate(config)
+    report.pop("config", None)
+    print(json.dumps(report), flush=True)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from jetflow_sglang.train import TrainConfig, train
+
+    fields = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__ and v is not None}
+    print(json.dumps(train(TrainConfig(**fields))), flush=True)
+
+
+def _budgets(text: str) -> tuple[int, ...]:
+    from jetflow_sglang.tree import MAX_BUDGET
+
+    try:
+        budgets = tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budgets must be comma-separated integers, got {text!r}") from None
+    bad = [b for b in budgets if not 1 <= b <= MAX_BUDGET]
+    if bad:
+        raise argparse.ArgumentTypeError(f"budgets must be between 1 and {MAX_BUDGET}, got {bad}")
+    return budgets
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from jetflow_sglang.evaluate import EvalConfig, evaluate
+
+    config = EvalConfig(
+        target=args.target,
+        head=args.head,
+        prompts=args.prompts,
+        limit=args.limit,
+        budgets=args.budgets,
+        max_new_tokens=args.max_new_tokens,
+        dtype=DTYPES[args.dtype],
+    )
+    for row in evaluate(config):
+        if args.json:
+            print(json.dumps(row), flush=True)
+        else:
+            print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jetflow", description="JetFlow speculative decoding for SGLang")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -104,6 +162,47 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--compare-ar", action="store_true", help="also decode with the target alone and compare")
     gen.add_argument("--json", action="store_true", help="print one JSON line")
     gen.set_defaults(func=cmd_generate)
+
+    regen = sub.add_parser("regenerate", help="write training data: prompts answered by the target itself")
+    regen.add_argument("--target", default="default")
+    regen.add_argument("--prompts", default="sharegpt", help="sharegpt, sharegpt-heldout, humaneval, or a JSON/JSONL file")
+    regen.add_argument("--limit", type=_positive("limit"), default=None)
+    regen.add_argument("--max-new-tokens", type=_positive("max new tokens"), default=256)
+    regen.add_argument("--temperature", type=float, default=0.0)
+    regen.add_argument("--seed", type=int, default=0)
+    regen.add_argument("--batch-size", type=_positive("batch size"), default=32)
+    regen.add_argument("--backend", choices=["auto", "sglang", "hf"], default="auto")
+    regen.add_argument("--out", required=True)
+    regen.set_defaults(func=cmd_regenerate)
+
+    tr = sub.add_parser("train", help="train a JetFlow head on regenerated data")
+    tr.add_argument("--target", default="default")
+    tr.add_argument("--data", required=True)
+    tr.add_argument("--out", required=True)
+    tr.add_argument("--loss", choices=["fkl", "rkl", "sft"], default="fkl")
+    tr.add_argument("--mask", choices=["causal", "bidirectional"], default="causal")
+    tr.add_argument("--block-size", type=int, default=16)
+    tr.add_argument("--layers", type=_positive("layers"), default=2)
+    tr.add_argument("--steps", type=_positive("steps"), default=1000)
+    tr.add_argument("--batch-tokens", type=_positive("batch tokens"), default=4096)
+    tr.add_argument("--lr", type=float, default=None)
+    tr.add_argument("--warmup-steps", type=int, default=None)
+    tr.add_argument("--reveal", type=float, default=None, help="share of blocks that reveal a prefix of true tokens")
+    tr.add_argument("--checkpoint-every", type=_positive("checkpoint every"), default=None)
+    tr.add_argument("--seed", type=int, default=None)
+    tr.add_argument("--resume", action="store_true")
+    tr.set_defaults(func=cmd_train)
+
+    ev = sub.add_parser("eval", help="tau and speedup per budget on the reference engine (greedy)")
+    ev.add_argument("--target", default="default")
+    ev.add_argument("--head", default="default", help="default, dflash-t, random, or a head directory")
+    ev.add_argument("--prompts", default="humaneval", help="humaneval, sharegpt-heldout, or a JSON/JSONL file")
+    ev.add_argument("--limit", type=_positive("limit"), default=40)
+    ev.add_argument("--budgets", type=_budgets, default=(16, 32, 64, 128, 256))
+    ev.add_argument("--max-new-tokens", type=_positive("max new tokens"), default=128)
+    ev.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ev.add_argument("--json", action="store_true")
+    ev.set_defaults(func=cmd_eval)
     return parser
 
 

@@ -236,7 +236,8 @@ class JetFlowHead(nn.Module):
 
     def bind_target(self, embedding: Tensor, lm_head: Tensor) -> "JetFlowHead":
         """Share the frozen target embedding [V, H] and lm_head [V, H] (never part of state_dict)."""
-        self._target_embedding, self._target_lm_head = embedding, lm_head
+        # Plain (detached) tensors: assigning an nn.Parameter would register it as the head's own.
+        self._target_embedding, self._target_lm_head = embedding.detach(), lm_head.detach()
         return self
 
     # -- the pieces every engine uses -------------------------------------------------

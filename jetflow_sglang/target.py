@@ -23,6 +23,19 @@ def check_model_dir(path: str | Path, what: str = "target") -> Path:
     return path
 
 
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    """Token ids of a prompt: a user turn through the chat template, or a raw completion."""
+    if chat:
+        if not tokenizer.chat_template:
+            raise JetFlowError("the target's tokenizer has no chat template")
+        return list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+    return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
 class Target:
     """A HF causal LM whose decoder-layer outputs at `tap_layers` are captured on every forward.
 
@@ -83,15 +96,7 @@ class Target:
         return hook
 
     def encode_prompt(self, text: str, chat: bool) -> list[int]:
-        if chat:
-            if not self.tokenizer.chat_template:
-                raise JetFlowError(f"target has no chat template: {self.path}")
-            return list(
-                self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-                )
-            )
-        return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        return encode_prompt(self.tokenizer, text, chat)
 
     @torch.inference_mode()
     def forward(

@@ -1,0 +1,170 @@
+"""`jetflow regenerate`: responses written by the target itself, the head's training data.
+
+Prompts are rendered with the target's chat template; the target answers them
+(greedy, or sampled with a recorded seed) through SGLang's offline Engine when it
+runs here, else through batched HF generation. Output is JSONL shards of token ids
+plus meta.json (target, tokenizer fingerprint, sampling); a rerun skips ids already
+written, so an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from jetflow_sglang.data import (
+    iter_examples,
+    load_prompts,
+    read_meta,
+    shard_paths,
+    tokenizer_fingerprint,
+    write_meta,
+    write_shard,
+)
+from jetflow_sglang.errors import JetFlowError
+from jetflow_sglang.target import encode_prompt
+
+
+@dataclass(frozen=True)
+class RegenerateConfig:
+    target: str
+    prompts: str = "sharegpt"
+    out: str = "data/regenerated"
+    limit: int | None = None
+    max_new_tokens: int = 256
+    max_prompt_tokens: int = 512
+    temperature: float = 0.0
+    seed: int = 0
+    batch_size: int = 32
+    backend: str = "auto"  # auto | sglang | hf
+
+
+class HFBackend:
+    def __init__(self, target_dir: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, use_safetensors=True).eval()
+
+    @torch.inference_mode()
+    def generate(self, batch: list[list[int]], config: RegenerateConfig, pad_id: int) -> list[list[int]]:
+        width = max(len(ids) for ids in batch)
+        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in batch])  # left padding
+        attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
+        sampled = config.temperature > 0
+        out = self.model.generate(
+            input_ids,
+            attention_mask=attention,
+            max_new_tokens=config.max_new_tokens,
+            do_sample=sampled,
+            temperature=config.temperature if sampled else None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad_id,
+        )
+        eos = self.model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos])
+        responses = []
+        for row in out[:, width:].tolist():
+            cut = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
+            responses.append(row[:cut])
+        return responses
+
+    def close(self) -> None:
+        pass
+
+
+class SGLangBackend:
+    def __init__(self, target_dir: Path) -> None:
+        import sglang
+
+        self.engine = sglang.Engine(
+            model_path=str(target_dir), dtype="bfloat16", max_total_tokens=65536, log_level="error"
+        )
+
+    def generate(self, batch: list[list[int]], config: RegenerateConfig, pad_id: int) -> list[list[int]]:
+        params = {"max_new_tokens": config.max_new_tokens, "temperature": config.temperature}
+        if config.temperature > 0:
+            params["sampling_seed"] = config.seed
+        outputs = self.engine.generate(input_ids=batch, sampling_params=params)
+        return [list(o["output_ids"]) for o in outputs]
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+def make_backend(name: str, target_dir: Path):
+    if name in ("auto", "sglang"):
+        try:
+            return SGLangBackend(target_dir)
+        except Exception as exc:  # SGLang may not run on this machine: fall back when asked to
+            if name == "sglang":
+                raise JetFlowError(f"SGLang engine did not start: {exc}") from None
+    return HFBackend(target_dir)
+
+
+def regenerate(config: RegenerateConfig) -> dict:
+    from transformers import AutoTokenizer
+
+    from jetflow_sglang.assets import resolve_target
+    from jetflow_sglang.target import check_model_dir
+
+    if config.max_new_tokens < 1 or config.batch_size < 1:
+        raise JetFlowError("max new tokens and batch size must be at least 1")
+    target_dir = check_model_dir(resolve_target(config.target))
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    out = Path(config.out)
+    meta = {
+        "target": target_dir.name,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "prompts": config.prompts,
+        "max_new_tokens": config.max_new_tokens,
+        "temperature": config.temperature,
+        "seed": config.seed,
+    }
+    if out.exists() and shard_paths(out):
+        previous = read_meta(out)
+        if previous.get("tokenizer") != meta["tokenizer"]:
+            raise JetFlowError(f"{out} holds data made with another tokenizer; use a new --out")
+        done = {row["id"] for row in iter_examples(out)}
+    else:
+        done = set()
+    prompts = load_prompts(config.prompts)[: config.limit]
+    todo = []
+    for prompt in prompts:
+        if prompt.id in done:
+            continue
+        ids = encode_prompt(tokenizer, prompt.text, prompt.kind == "chat")
+        if len(ids) <= config.max_prompt_tokens:
+            todo.append((prompt.id, ids))
+    todo.sort(key=lambda item: len(item[1]))  # similar lengths batch together
+    out.mkdir(parents=True, exist_ok=True)
+    write_meta(out, meta)
+    if not todo:
+        return {"out": str(out), "examples": len(done), "new": 0}
+
+    from tqdm import tqdm
+
+    backend = make_backend(config.backend, target_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    shard_index = len(shard_paths(out))
+    new_tokens, start = 0, time.perf_counter()
+    try:
+        with tqdm(total=len(todo), desc="regenerate", unit="prompt") as bar:
+            for first in range(0, len(todo), config.batch_size):
+                chunk = todo[first : first + config.batch_size]
+                responses = backend.generate([ids for _, ids in chunk], config, pad_id)
+                rows = [
+                    {"id": pid, "prompt_ids": ids, "response_ids": resp, "temperature": config.temperature}
+                    for (pid, ids), resp in zip(chunk, responses)
+                ]
+                write_shard(out, shard_index, rows)
+                shard_index += 1
+                new_tokens += sum(len(r) for r in responses)
+                bar.update(len(chunk))
+                bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
+    finally:
+        backend.close()
+    return {"out": str(out), "examples": len(done) + len(todo), "new": len(todo), "new_tokens": new_tokens, "config": asdict(config)}

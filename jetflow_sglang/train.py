@@ -1,0 +1,282 @@
+"""`jetflow train`: distill a JetFlow head from its frozen target on regenerated data.
+
+Per step: a batch of regenerated sequences goes through the frozen target once
+(features at the tap layers and the target's soft distributions, on the fly);
+random anchors a are drawn in each response; block [x_a, MASK x (B-1)] attends to
+the context features of positions < a and, within the block, causally (or
+bidirectionally: the DFlash-T baseline). Slot d is trained towards the target's
+distribution for position a+d: forward KL (default), reverse KL, or hard-label SFT,
+uniform over depths, none on the anchor slot. With `reveal`, a random prefix of each
+block holds the true tokens instead of MASK, so the head can also refine a drafted path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from jetflow_sglang.errors import JetFlowError
+from jetflow_sglang.head import JetFlowConfig, JetFlowHead
+
+LOSSES = ("fkl", "rkl", "sft")
+
+
+@dataclass
+class TrainConfig:
+    target: str = "default"
+    data: str = "data/regenerated"
+    out: str = "out/head"
+    loss: str = "fkl"
+    mask: str = "causal"  # causal | bidirectional
+    block_size: int = 16
+    layers: int = 2
+    steps: int = 1000
+    batch_tokens: int = 4096  # target tokens per step
+    max_seq_len: int = 768
+    anchors_per_seq: int = 8
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    kl_temperature: float = 1.0
+    reveal: float = 0.0  # probability that a block reveals a random prefix of true tokens
+    checkpoint_every: int = 200
+    seed: int = 0
+    resume: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    floor = config.lr * config.min_lr_ratio
+    return floor + 0.5 * (config.lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def block_loss(draft_logits: Tensor, target_logits: Tensor, labels: Tensor, loss: str, temperature: float) -> Tensor:
+    """Mean loss over valid slots. draft_logits/target_logits: [n, V]; labels: [n] (-1 = ignore)."""
+    valid = labels >= 0
+    if not valid.any():
+        return draft_logits.sum() * 0.0
+    draft_logits, target_logits, labels = draft_logits[valid].float(), target_logits[valid].float(), labels[valid]
+    if loss == "sft":
+        return F.cross_entropy(draft_logits, labels)
+    log_q = F.log_softmax(draft_logits / temperature, -1)
+    log_p = F.log_softmax(target_logits / temperature, -1)
+    if loss == "fkl":  # KL(p || q)
+        per_slot = (log_p.exp() * (log_p - log_q)).sum(-1)
+    else:  # KL(q || p)
+        per_slot = (log_q.exp() * (log_q - log_p)).sum(-1)
+    return per_slot.mean() * temperature**2
+
+
+def sample_blocks(lengths: Tensor, response_starts: Tensor, anchors: int, block: int, generator: random.Random):
+    """Anchors per sequence inside its response (so the block predicts target-written tokens)."""
+    rows, positions = [], []
+    for row, (length, start) in enumerate(zip(lengths.tolist(), response_starts.tolist())):
+        low, high = max(start - 1, 1), length - 2  # anchor a predicts a+1..; needs context (a >= 1)
+        if high < low:
+            continue
+        for _ in range(anchors):
+            rows.append(row)
+            positions.append(generator.randint(low, high))
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(positions, dtype=torch.long)
+
+
+def head_forward_blocks(
+    head: JetFlowHead,
+    features: Tensor,
+    input_ids: Tensor,
+    rows: Tensor,
+    anchors: Tensor,
+    lengths: Tensor,
+    reveal: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """All blocks of a batch in one pass. Returns draft logits [nb, B-1, V] and label positions [nb, B-1]
+    (the sequence position each slot predicts; -1 past the end)."""
+    batch, seq_len, _ = features.shape
+    block = head.config.block_size
+    device = features.device
+    offsets = torch.arange(block, device=device)
+    positions = anchors[:, None] + offsets  # [nb, B]
+    in_range = positions < lengths[rows][:, None]
+    # Block tokens: anchor, then MASK; a revealed prefix holds the true tokens instead.
+    true_tokens = input_ids[rows[:, None], positions.clamp(max=seq_len - 1)]
+    block_tokens = torch.where(
+        (offsets[None, :] <= reveal[:, None]) & in_range, true_tokens, torch.full_like(true_tokens, head.config.mask_token_id)
+    )
+    block_tokens[:, 0] = true_tokens[:, 0]
+    # Per sequence: context K/V for all its positions, then each block attends to positions < anchor.
+    context = head.context_kv(features, torch.arange(seq_len, device=device).expand(batch, -1))
+    context = [(k[rows], v[rows]) for k, v in context]  # [nb, kv_heads, T, d]
+    context_valid = torch.arange(seq_len, device=device)[None, :] < anchors[:, None]
+    mask = torch.cat(
+        [context_valid[:, None, :].expand(-1, block, -1), head.block_mask(block, device).expand(len(rows), -1, -1)], -1
+    )[:, None]
+    hidden = head.forward_block(block_tokens, positions, context, mask)
+    label_positions = torch.where(in_range, positions, torch.full_like(positions, -1))[:, 1:]
+    return head.logits(hidden[:, 1:]), label_positions
+
+
+class Batches:
+    """Random batches of regenerated sequences, about `batch_tokens` target tokens each."""
+
+    def __init__(self, examples: list[dict], config: TrainConfig, seed: int) -> None:
+        self.examples = [e for e in examples if e["response_ids"]]
+        if not self.examples:
+            raise JetFlowError("the data holds no examples with a response")
+        self.config = config
+        self.random = random.Random(seed)
+
+    def next(self, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+        chosen, tokens = [], 0
+        while tokens < self.config.batch_tokens:
+            example = self.random.choice(self.examples)
+            ids = (example["prompt_ids"] + example["response_ids"])[: self.config.max_seq_len]
+            chosen.append((ids, len(example["prompt_ids"])))
+            tokens += len(ids)
+        width = max(len(ids) for ids, _ in chosen)
+        input_ids = torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in chosen])
+        lengths = torch.tensor([len(ids) for ids, _ in chosen])
+        starts = torch.tensor([start for _, start in chosen])
+        return input_ids, lengths, starts
+
+
+def _check_config(config: TrainConfig) -> None:
+    if config.loss not in LOSSES:
+        raise JetFlowError(f"--loss must be one of {', '.join(LOSSES)}, got {config.loss!r}")
+    if config.mask not in ("causal", "bidirectional"):
+        raise JetFlowError(f"--mask must be causal or bidirectional, got {config.mask!r}")
+    if config.steps < 1 or config.batch_tokens < 1 or config.layers < 1:
+        raise JetFlowError("steps, batch tokens and layers must be at least 1")
+    if config.block_size < 2:
+        raise JetFlowError(f"block size must be at least 2, got {config.block_size}")
+
+
+def load_examples(data_dir: Path, tokenizer) -> list[dict]:
+    from jetflow_sglang.data import iter_examples, read_meta, tokenizer_fingerprint
+
+    meta = read_meta(data_dir)
+    if meta.get("tokenizer") != tokenizer_fingerprint(tokenizer):
+        raise JetFlowError(f"{data_dir} was made with another tokenizer than the target's")
+    examples = list(iter_examples(data_dir))
+    if not examples:
+        raise JetFlowError(f"{data_dir} holds no examples")
+    return examples
+
+
+def train(config: TrainConfig, log=print) -> dict:
+    from tqdm import tqdm
+
+    from jetflow_sglang.assets import resolve_target
+    from jetflow_sglang.target import Target
+
+    _check_config(config)
+    out = Path(config.out)
+    target_dir = resolve_target(config.target)
+    target = Target(target_dir, dtype=torch.bfloat16)
+    examples = load_examples(Path(config.data), target.tokenizer)
+    head_config = JetFlowConfig.for_target(
+        target.config, num_layers=config.layers, block_size=config.block_size, causal=config.mask == "causal"
+    )
+    target.set_tap_layers(head_config.target_layer_ids)
+    torch.manual_seed(config.seed)
+    head = JetFlowHead(head_config).init_weights(config.seed).bind_target(target.embedding, target.lm_head)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
+    step, history = 0, []
+    if config.resume:
+        step, history = _resume(head, optimizer, out, config)
+    elif (out / "config.json").exists():
+        raise JetFlowError(f"{out} already holds a head; pass --resume or choose another --out")
+    batches = Batches(examples, config, config.seed + step)
+    anchors_rng = random.Random(config.seed * 7919 + step)
+    pad_id = target.tokenizer.pad_token_id or 0
+    head.train()
+    start = time.perf_counter()
+    tokens_seen = 0
+    with tqdm(total=config.steps, initial=step, desc="train", unit="step") as bar:
+        while step < config.steps:
+            input_ids, lengths, starts = batches.next(pad_id)
+            positions = torch.arange(input_ids.shape[1]).expand(len(input_ids), -1)
+            target_logits, features = target.forward(input_ids, positions, None)
+            features = features.clone()  # out of inference mode: the head's fc saves it for backward
+            rows, anchors = sample_blocks(lengths, starts, config.anchors_per_seq, config.block_size, anchors_rng)
+            reveal = torch.where(
+                torch.rand(len(rows)) < config.reveal, torch.randint(0, config.block_size - 1, (len(rows),)), torch.zeros(len(rows), dtype=torch.long)
+            )
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(config, step)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                draft_logits, label_positions = head_forward_blocks(head, features, input_ids, rows, anchors, lengths, reveal)
+            # Slot d predicts position a+d: its target distribution is the target's output at a+d-1.
+            slot_rows = rows[:, None].expand_as(label_positions)
+            soft = target_logits[slot_rows, (label_positions - 1).clamp(min=0)]
+            labels = torch.where(label_positions >= 0, input_ids[slot_rows, label_positions.clamp(min=0)], -1)
+            # Revealed slots are inputs, not predictions.
+            labels = torch.where(torch.arange(1, config.block_size)[None, :] <= reveal[:, None], -1, labels)
+            loss = block_loss(draft_logits.flatten(0, 1), soft.flatten(0, 1), labels.flatten(), config.loss, config.kl_temperature)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), config.grad_clip)
+            optimizer.step()
+            step += 1
+            tokens_seen += int(lengths.sum())
+            history.append({"step": step, "loss": loss.item(), "lr": learning_rate(config, step - 1)})
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_seen / (time.perf_counter() - start):.0f}")
+            if step % config.checkpoint_every == 0 or step == config.steps:
+                _checkpoint(head, optimizer, out, config, step, history)
+    seconds = time.perf_counter() - start
+    return {"out": str(out), "steps": step, "final_loss": history[-1]["loss"], "seconds": round(seconds, 1)}
+
+
+def _checkpoint(head: JetFlowHead, optimizer, out: Path, config: TrainConfig, step: int, history: list) -> None:
+    """Head weights (safetensors, bf16: what ships) plus resume state (fp32 weights and optimizer)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(out.name + ".saving")
+    head_bf16 = JetFlowHead(head.config)
+    head_bf16.load_state_dict(head.state_dict())
+    head_bf16.to(torch.bfloat16).save(staging)
+    for path in staging.iterdir():
+        path.replace(out / path.name)
+    staging.rmdir()
+    state = {f"head.{k}": v.detach().contiguous() for k, v in head.state_dict().items()}
+    for index, param in enumerate(head.parameters()):
+        for key, value in optimizer.state.get(param, {}).items():
+            if torch.is_tensor(value):
+                state[f"optim.{index}.{key}"] = value.reshape(-1) if value.dim() == 0 else value.contiguous()
+    save_file(state, str(out / "train_state.safetensors"))
+    meta = {"step": step, "config": asdict(config), "history": history}
+    (out / "train_state.json").write_text(json.dumps(meta))
+
+
+def _resume(head: JetFlowHead, optimizer, out: Path, config: TrainConfig) -> tuple[int, list]:
+    from safetensors.torch import load_file
+
+    meta_path, state_path = out / "train_state.json", out / "train_state.safetensors"
+    if not meta_path.is_file() or not state_path.is_file():
+        raise JetFlowError(f"nothing to resume in {out}")
+    meta = json.loads(meta_path.read_text())
+    saved = meta["config"]
+    for key in ("loss", "mask", "block_size", "layers", "target"):
+        if saved.get(key) != getattr(config, key):
+            raise JetFlowError(f"resume checkpoint in {out} was trained with {key}={saved.get(key)!r}, not {getattr(config, key)!r}")
+    state = load_file(str(state_path))
+    head.load_state_dict({k[len("head.") :]: v for k, v in state.items() if k.startswith("head.")})
+    for index, param in enumerate(head.parameters()):
+        entries = {k.split(".", 2)[2]: v for k, v in state.items() if k.startswith(f"optim.{index}.")}
+        if entries:
+            optimizer.state[param] = {k: (v.reshape(()) if k == "step" else v) for k, v in entries.items()}
+    return int(meta["step"]), list(meta["history"])

@@ -1,0 +1,57 @@
+"""Prompt sets: the repaired ShareGPT copy, the held-out split, HumanEval, prompt files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jetflow_sglang.data import (
+    file_prompts,
+    humaneval_prompts,
+    is_heldout,
+    parse_json_records_leniently,
+    sharegpt_path,
+    sharegpt_prompts,
+)
+from jetflow_sglang.errors import JetFlowError
+
+
+def test_lenient_parse_keeps_complete_records_of_a_truncated_list():
+    text = json.dumps([{"id": "a", "x": [1, 2]}, {"id": "b", "x": "}, {"}])[:-1] + ', {"id": "c", "x": [1'
+    assert [r["id"] for r in parse_json_records_leniently(text)] == ["a", "b"]
+    assert parse_json_records_leniently("[]") == []
+
+
+def test_sharegpt_copy_is_valid_json_and_splits_are_disjoint():
+    records = json.loads(sharegpt_path().read_text(encoding="utf-8"))
+    assert len(records) == 17671  # the complete records of the truncated wheel JSON
+    train, heldout = sharegpt_prompts("train"), sharegpt_prompts("heldout")
+    train_ids, heldout_ids = {p.id for p in train}, {p.id for p in heldout}
+    assert not train_ids & heldout_ids
+    assert 100 < len(heldout) < len(train) / 20
+    assert all(is_heldout(i) for i in heldout_ids) and not any(is_heldout(i) for i in train_ids)
+    assert sharegpt_prompts("heldout") == heldout  # deterministic
+
+
+def test_humaneval_prompts_are_raw_code_completions():
+    prompts = humaneval_prompts()
+    assert len(prompts) == 164 and prompts[0].id == "HumanEval/0"
+    assert all(p.kind == "code" and "def " in p.text for p in prompts)
+
+
+def test_prompt_files_json_and_jsonl(tmp_path):
+    listed = tmp_path / "p.json"
+    listed.write_text(json.dumps([{"prompt": "hi", "kind": "chat"}, {"prompt": "def f():", "kind": "code"}]))
+    lines = tmp_path / "p.jsonl"
+    lines.write_text('{"prompt": "hi"}\n{"prompt": "def f():", "kind": "code"}\n')
+    assert [p.kind for p in file_prompts(listed)] == ["chat", "code"]
+    assert [p.kind for p in file_prompts(lines)] == ["chat", "code"]
+
+
+@pytest.mark.parametrize("content", ["[", '[{"kind": "chat"}]', '[{"prompt": "x", "kind": "poem"}]', "[]"])
+def test_bad_prompt_files_are_refused(tmp_path, content):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(JetFlowError):
+        file_prompts(path)
