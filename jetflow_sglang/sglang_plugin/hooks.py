@@ -14,6 +14,11 @@ Runs in every SGLang process (``sglang.srt.plugins.load_plugins``):
   algorithm is set) so that on ``jetflow_cpu`` it is skipped: the platform sets
   ``SGLANG_NATIVE_MOVE_KV_CACHE``, so KV compaction takes the torch move and the
   Triton copy is never used;
+* wraps ``speculative_hook._resolve_speculative_algorithm_alias``, which loads the
+  draft directory with ``AutoConfig`` for every algorithm (to spot Gemma4 drafts)
+  before any algorithm's validator runs: for JETFLOW it returns the name untouched,
+  so a missing head directory is reported by the JETFLOW validator by name rather
+  than as a Hugging Face hub lookup error;
 * wraps the scheduler's request check ``validate_input_length`` (the one place
   every generate request passes before it is queued; SGLang has no request
   validation seam for speculative algorithms) so that, only while JETFLOW is the
@@ -27,6 +32,7 @@ from . import attention, spec_algo
 
 ASSIGN_REQ_TO_TOKEN = "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func"
 KV_COPY_WARMUP = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup"
+RESOLVE_ALIAS = "sglang.srt.arg_groups.speculative_hook._resolve_speculative_algorithm_alias"
 VALIDATE_REQUEST = "sglang.srt.managers.utils.validate_input_length"
 
 
@@ -53,6 +59,12 @@ def _kv_copy_warmup_around(original, pool, *args, **kwargs):
     return original(pool, *args, **kwargs)
 
 
+def _resolve_alias_around(original, algorithm, *args, **kwargs):
+    if str(algorithm or "").upper() == spec_algo.ALGORITHM:
+        return spec_algo.ALGORITHM
+    return original(algorithm, *args, **kwargs)
+
+
 def _jetflow_active() -> bool:
     from sglang.srt.runtime_context import get_spec
 
@@ -77,4 +89,5 @@ def register() -> None:
     spec_algo.register()
     HookRegistry.register(ASSIGN_REQ_TO_TOKEN, _assign_req_to_token_pool_around, HookType.AROUND)
     HookRegistry.register(KV_COPY_WARMUP, _kv_copy_warmup_around, HookType.AROUND)
+    HookRegistry.register(RESOLVE_ALIAS, _resolve_alias_around, HookType.AROUND)
     HookRegistry.register(VALIDATE_REQUEST, _validate_request_around, HookType.AROUND)

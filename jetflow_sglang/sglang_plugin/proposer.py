@@ -4,7 +4,8 @@ The worker never learns what is behind a proposer: the JetFlow head (keeping its
 context K/V in buffers indexed by the target's KV slot ids, so radix-cache hits
 reuse it), or, in tests, an oracle that knows each prompt's greedy continuation
 (`JETFLOW_TEST_ORACLE`: a JSON file of ``[[prompt_ids, continuation_ids], ...]``)
-and puts the true tokens at random ranks of each depth's top-k.
+and puts the true tokens at random ranks of each depth's top-k. Prompts the oracle
+does not know are drafted by the head, so one server serves both kinds at once.
 """
 
 from __future__ import annotations
@@ -80,33 +81,40 @@ class HeadProposer:
 
 
 class OracleProposer:
-    """Test proposer: one `OracleDrafter` per request over its prompt's known greedy continuation."""
+    """Test proposer: one `OracleDrafter` per known prompt (its greedy continuation); the
+    head (`fallback`) drafts every other request and keeps its context K/V for all."""
 
-    def __init__(self, path: str, vocab_size: int, block_size: int, width: int, seed: int = 0) -> None:
+    def __init__(self, path: str, fallback: Proposer, vocab_size: int, width: int, seed: int = 0) -> None:
         with open(path) as f:
             pairs = json.load(f)
         self.continuations = {tuple(prompt): list(prompt) + list(cont) for prompt, cont in pairs}
-        self.vocab_size, self.block_size, self.width, self.seed = vocab_size, block_size, width, seed
+        self.fallback = fallback
+        self.block_size = fallback.block_size
+        self.vocab_size, self.width, self.seed = vocab_size, width, seed
         self._drafters: dict[str, OracleDrafter] = {}
+        self._created = 0
 
     def write_context(self, features: Tensor, slots: Tensor, positions: Tensor) -> None:
-        pass
+        self.fallback.write_context(features, slots, positions)
 
     def propose(self, request: DraftRequest) -> Tensor:
-        out = []
         live = set(request.rids)
         for rid in [r for r in self._drafters if r not in live]:
             del self._drafters[rid]
+        known = [tuple(p) in self.continuations for p in request.prompts]
+        logits = self.fallback.propose(request) if not all(known) else None
+        rows = []
         for i, rid in enumerate(request.rids):
+            if not known[i]:
+                rows.append(logits[i : i + 1])
+                continue
             drafter = self._drafters.get(rid)
             if drafter is None:
-                prompt = tuple(request.prompts[i])
-                continuation = self.continuations.get(prompt, list(prompt))
-                drafter = OracleDrafter(
-                    continuation, self.vocab_size, self.block_size, self.width, seed=self.seed + len(self._drafters)
-                )
+                continuation = self.continuations[tuple(request.prompts[i])]
+                self._created += 1
+                drafter = OracleDrafter(continuation, self.vocab_size, self.block_size, self.width, seed=self.seed + self._created)
                 self._drafters[rid] = drafter
             position = int(request.seq_lens[i])
             drafter.length = position
-            out.append(drafter.propose(request.anchors[i : i + 1], position))
-        return torch.cat(out, 0).to(request.anchors.device)
+            rows.append(drafter.propose(request.anchors[i : i + 1], position).to(request.anchors.device))
+        return torch.cat([r.float() for r in rows], 0)

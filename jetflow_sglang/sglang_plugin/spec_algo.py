@@ -15,6 +15,8 @@ carries the block size and the target tap layers.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Optional
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
@@ -61,7 +63,7 @@ def validate_server_args(server_args) -> None:
     from transformers import AutoConfig
 
     from jetflow_sglang.errors import JetFlowError
-    from jetflow_sglang.head import JetFlowHead
+    from jetflow_sglang.head import JetFlowConfig, JetFlowHead
     from jetflow_sglang.tree import MAX_BUDGET, max_tree_nodes
 
     head_path = server_args.speculative_draft_model_path
@@ -79,14 +81,15 @@ def validate_server_args(server_args) -> None:
         server_args.speculative_eagle_topk = width
     if int(width) < 1:
         _fail(f"--speculative-eagle-topk (tree width) must be at least 1, got {width}")
-    try:
-        head = JetFlowHead.load(head_path)
-    except JetFlowError as exc:
-        _fail(str(exc))
-    config = head.config
     target = AutoConfig.from_pretrained(server_args.model_path, trust_remote_code=server_args.trust_remote_code)
     try:
+        config_path = Path(head_path) / "config.json"
+        if config_path.is_file():  # shapes first: a misfit head also fails to load its weights
+            JetFlowConfig.from_json_dict(json.loads(config_path.read_text())).check_fits_target(target)
+        config = JetFlowHead.load(head_path).config
         config.check_fits_target(target)
+    except json.JSONDecodeError as exc:
+        _fail(f"head config.json is not valid JSON: {exc}")
     except JetFlowError as exc:
         _fail(str(exc))
     text = getattr(target, "text_config", None) or target

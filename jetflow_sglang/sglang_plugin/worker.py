@@ -97,12 +97,11 @@ class JetFlowWorker(BaseSpecWorker):
         self.req_to_token_pool, self.token_to_kv_pool_allocator = self._target_worker.get_memory_pool()
         kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
         num_slots = int(kv_pool.size) + int(kv_pool.page_size) + 1
+        self.proposer = HeadProposer(self.head, self.req_to_token_pool.req_to_token, num_slots, self.device)
         oracle = os.environ.get(ORACLE_ENV)
         if oracle:
-            logger.warning("JETFLOW: test oracle proposer from %s (not the head)", oracle)
-            self.proposer = OracleProposer(oracle, self.vocab_size, self.block_size, self.width)
-        else:
-            self.proposer = HeadProposer(self.head, self.req_to_token_pool.req_to_token, num_slots, self.device)
+            logger.warning("JETFLOW: test oracle drafts the prompts listed in %s; the head drafts the rest", oracle)
+            self.proposer = OracleProposer(oracle, self.proposer, self.vocab_size, self.width)
 
     # -- forward -----------------------------------------------------------------------
     def forward_batch_generation(

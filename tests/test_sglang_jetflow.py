@@ -1,0 +1,223 @@
+"""`--speculative-algorithm JETFLOW` end to end on a real SGLang server (fp32, this CPU).
+
+* A no-spec server gives the reference greedy token ids for 16 prompts (chat prompts
+  that stop at EOS, raw completions that run to the token limit), and each prompt's
+  continuation run past EOS for the oracle.
+* JETFLOW servers at budgets 16, 64 and 256 (each started once) must return the same
+  token ids at concurrency 1 and 8. Half of the prompts are drafted by the seeded
+  random head (accepts almost nothing: overhead and losslessness), the other half by
+  the test oracle (`JETFLOW_TEST_ORACLE`), which puts the true continuation at random
+  ranks of each depth's top-k: long accepted paths, KV compaction over long paths, EOS
+  and max_new_tokens inside an accepted path, in batches mixed with head-drafted
+  requests of different prefix lengths.
+* Per-request tau is readable from meta_info; a repeated prompt hits the radix cache.
+* Bad heads and budgets: the launcher exits non-zero with a message naming the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang")
+
+import sglang_server  # noqa: E402
+
+RANDOM_PROMPTS = [
+    ("Say hello in one word.", True),
+    ("What is 2+2? Answer with a number only.", True),
+    ("List three fruits.", True),
+    ("def add(a, b):", False),
+    ("The capital of France is", False),
+    ("Reply with OK.", True),
+    ("for i in range(10):", False),
+    ("Name a color.", True),
+]
+ORACLE_PROMPTS = [
+    ("Explain recursion in one sentence.", True),
+    ("Write a haiku about rain.", True),
+    ("Is the sky blue? Yes or no.", True),
+    ("Once upon a time, in a small village,", False),
+    ("def fibonacci(n):", False),
+    ("Give me a short tip for learning Python.", True),
+    ("import numpy as np\n", False),
+    ("What is the boiling point of water?", True),
+]
+BUDGETS = [16, 64, 256]
+ORACLE_EXTRA = 24  # oracle continuations run this far past each request's token limit
+
+
+def _max_new_tokens(index: int, oracle: bool) -> int:
+    # Varied limits, so the limit lands at different depths of accepted paths.
+    return 24 + (7 * index) % 29 if oracle else 8 + (5 * index) % 9
+
+
+@pytest.fixture(scope="module")
+def target_dir() -> str:
+    from jetflow_sglang.assets import prepare
+
+    return str(prepare("default")["target"])
+
+
+@pytest.fixture(scope="module")
+def head_dir() -> str:
+    from jetflow_sglang.assets import prepare
+
+    return str(prepare("default")["head"])
+
+
+@pytest.fixture(scope="module")
+def cases(target_dir) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+
+    def encode(text: str, chat: bool) -> list[int]:
+        if chat:
+            return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False))
+        return tok(text).input_ids
+
+    out = []
+    for oracle, prompts in ((False, RANDOM_PROMPTS), (True, ORACLE_PROMPTS)):
+        for i, (text, chat) in enumerate(prompts):
+            out.append({"ids": encode(text, chat), "oracle": oracle, "max_new_tokens": _max_new_tokens(i, oracle)})
+    return out
+
+
+def _generate(url: str, ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> dict:
+    params = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}
+    return sglang_server.post(url + "/generate", {"input_ids": ids, "sampling_params": params})
+
+
+def _run_all(url: str, cases: list[dict], concurrency: int) -> list[dict]:
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(lambda c: _generate(url, c["ids"], c["max_new_tokens"]), cases))
+
+
+@pytest.fixture(scope="module")
+def reference(target_dir, cases, tmp_path_factory) -> dict:
+    """No-spec greedy outputs, and the oracle file (continuations past EOS and the limit)."""
+    work = tmp_path_factory.mktemp("jetflow_ref")
+    server = sglang_server.start(target_dir, work / "nospec.log")
+    try:
+        outputs = _run_all(server.url, cases, 8)
+        with ThreadPoolExecutor(8) as pool:
+            long = list(
+                pool.map(
+                    lambda c: _generate(server.url, c["ids"], c["max_new_tokens"] + ORACLE_EXTRA, ignore_eos=True),
+                    [c for c in cases if c["oracle"]],
+                )
+            )
+    finally:
+        server.stop()
+    oracle_file = work / "oracle.json"
+    oracle_file.write_text(json.dumps([[c["ids"], o["output_ids"]] for c, o in zip([c for c in cases if c["oracle"]], long)]))
+    return {"output_ids": [o["output_ids"] for o in outputs], "oracle_file": str(oracle_file)}
+
+
+@pytest.fixture(scope="module", params=BUDGETS, ids=[f"budget{b}" for b in BUDGETS])
+def jetflow_server(request, target_dir, head_dir, reference, tmp_path_factory):
+    budget = request.param
+    log = tmp_path_factory.mktemp(f"jetflow_{budget}") / "server.log"
+    server = sglang_server.start(
+        target_dir, log,
+        "--speculative-algorithm", "JETFLOW",
+        "--speculative-draft-model-path", head_dir,
+        "--speculative-num-draft-tokens", str(budget),
+        env={"JETFLOW_TEST_ORACLE": reference["oracle_file"]},
+    )  # fmt: skip
+    server.budget = budget
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_greedy_token_ids_equal_no_spec_server(jetflow_server, cases, reference, concurrency):
+    outputs = _run_all(jetflow_server.url, cases, concurrency)
+    mismatches = [
+        (i, got["output_ids"], want)
+        for i, (got, want) in enumerate(zip(outputs, reference["output_ids"]))
+        if got["output_ids"] != want
+    ]
+    assert not mismatches, f"budget {jetflow_server.budget}, concurrency {concurrency}: {mismatches[:3]}"
+    for case, out in zip(cases, outputs):
+        meta = out["meta_info"]
+        assert meta["spec_verify_ct"] >= 1
+        tau = 1 + meta["spec_num_correct_drafts"] / meta["spec_verify_ct"]
+        if case["oracle"]:
+            # The oracle's true tokens sit in the tree most rounds: long accepted paths.
+            assert tau > 2.0, (case, meta)
+    oracle_taus = [
+        1 + o["meta_info"]["spec_num_correct_drafts"] / o["meta_info"]["spec_verify_ct"]
+        for c, o in zip(cases, outputs)
+        if c["oracle"]
+    ]
+    print(f"budget {jetflow_server.budget} concurrency {concurrency}: oracle tau {sum(oracle_taus) / len(oracle_taus):.2f}")
+
+
+@pytest.mark.slow
+def test_repeated_prompt_hits_radix_cache(jetflow_server, cases, reference):
+    case, want = cases[-1], reference["output_ids"][-1]
+    first = _generate(jetflow_server.url, case["ids"], case["max_new_tokens"])
+    again = _generate(jetflow_server.url, case["ids"], case["max_new_tokens"])
+    assert again["meta_info"]["cached_tokens"] > 0
+    assert first["output_ids"] == want and again["output_ids"] == want
+
+
+@pytest.mark.slow
+def test_sampling_and_grammar_requests_are_refused(jetflow_server, cases):
+    import urllib.error
+
+    ids = cases[0]["ids"]
+    for params in ({"temperature": 0.7, "max_new_tokens": 4}, {"temperature": 0, "max_new_tokens": 4, "regex": "[0-9]+"}):
+        with pytest.raises(urllib.error.HTTPError) as info:
+            sglang_server.post(jetflow_server.url + "/generate", {"input_ids": ids, "sampling_params": params})
+        assert "greedy decoding only" in info.value.read().decode()
+
+
+# ------------------------------------------------------------ refusing to start
+def _bad_heads(head_dir: str, root: Path) -> dict[str, tuple[str, str]]:
+    """name -> (head dir, text the error must contain)."""
+    from jetflow_sglang.head import JetFlowConfig
+
+    heads = {"missing": (str(root / "no-such-head"), "not found")}
+    bin_head = root / "bin-head"
+    shutil.copytree(head_dir, bin_head)
+    (bin_head / "model.safetensors").rename(bin_head / "pytorch_model.bin")
+    heads["non_safetensors"] = (str(bin_head), "only safetensors")
+    config = json.loads((Path(head_dir) / "config.json").read_text())
+    for name, field, value, needle in (
+        ("vocab", "target_vocab_size", 32000, "vocab size"),
+        ("hidden", "target_hidden_size", 512, "hidden size"),
+        ("taps", "target_layer_ids", [1, 7, 15, 22, 40], "layers"),
+    ):
+        bad = root / f"{name}-head"
+        shutil.copytree(head_dir, bad)
+        patched = dict(config, jetflow=dict(config["jetflow"], **{field: value}))
+        JetFlowConfig.from_json_dict(patched)  # still a well-formed config
+        (bad / "config.json").write_text(json.dumps(patched))
+        heads[name] = (str(bad), needle)
+    return heads
+
+
+@pytest.mark.slow
+def test_bad_head_or_budget_refuses_to_start(target_dir, head_dir, tmp_path):
+    runs = [
+        (name, path, "64", needle) for name, (path, needle) in _bad_heads(head_dir, tmp_path).items()
+    ] + [("budget0", head_dir, "0", "between 1 and 512"), ("budget513", head_dir, "513", "between 1 and 512")]
+    for name, path, budget, needle in runs:
+        code, output = sglang_server.run_to_exit(
+            target_dir, tmp_path / f"{name}.log",
+            "--speculative-algorithm", "JETFLOW",
+            "--speculative-draft-model-path", path,
+            "--speculative-num-draft-tokens", budget,
+        )  # fmt: skip
+        assert code not in (0, -1), f"{name}: server did not refuse (exit {code})"
+        assert "JETFLOW" in output and needle in output, f"{name}: {output[-1500:]}"
