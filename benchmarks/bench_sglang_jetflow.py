@@ -1,7 +1,7 @@
 """Single-request greedy tokens/s of the SGLang server with and without JETFLOW, per-request tau,
 and (JETFLOW_PROFILE=1) the share of a decode round in draft / tree / verify / bookkeeping.
 
-    .venv/bin/python scripts/bench_sglang_jetflow.py --budget 64 --max-new-tokens 128
+    .venv/bin/python benchmarks/bench_sglang_jetflow.py --budget 64 --max-new-tokens 128
 
 Starts each server on 127.0.0.1 (fp32, --max-total-tokens 8192), one at a time, and
 stops it by process group. Prints one JSON line.
