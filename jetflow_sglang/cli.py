@@ -25,6 +25,12 @@ def _positive(name: str):
     return parse
 
 
+def _config_from_args(config_class, args: argparse.Namespace, **overrides):
+    """A config dataclass from the parsed flags of the same names (unset flags keep the defaults)."""
+    fields = {k: v for k, v in vars(args).items() if k in config_class.__dataclass_fields__ and v is not None}
+    return config_class(**{**fields, **overrides})
+
+
 def cmd_prepare(args: argparse.Namespace) -> None:
     from jetflow_sglang.assets import prepare
 
@@ -82,18 +88,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_regenerate(args: argparse.Namespace) -> None:
     from jetflow_sglang.regenerate import RegenerateConfig, regenerate
 
-    config = RegenerateConfig(
-        target=args.target,
-        prompts=args.prompts,
-        out=args.out,
-        limit=args.limit,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        backend=args.backend,
-    )
-    report = regenerate(config)
+    report = regenerate(_config_from_args(RegenerateConfig, args))
     report.pop("config", None)
     print(json.dumps(report), flush=True)
 
@@ -101,8 +96,7 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
 def cmd_train(args: argparse.Namespace) -> None:
     from jetflow_sglang.train import TrainConfig, train
 
-    fields = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__ and v is not None}
-    print(json.dumps(train(TrainConfig(**fields))), flush=True)
+    print(json.dumps(train(_config_from_args(TrainConfig, args))), flush=True)
 
 
 def _budgets(text: str) -> tuple[int, ...]:
@@ -121,16 +115,7 @@ def _budgets(text: str) -> tuple[int, ...]:
 def cmd_eval(args: argparse.Namespace) -> None:
     from jetflow_sglang.evaluate import EvalConfig, evaluate
 
-    config = EvalConfig(
-        target=args.target,
-        head=args.head,
-        prompts=args.prompts,
-        limit=args.limit,
-        budgets=args.budgets,
-        max_new_tokens=args.max_new_tokens,
-        dtype=DTYPES[args.dtype],
-    )
-    for row in evaluate(config):
+    for row in evaluate(_config_from_args(EvalConfig, args, dtype=DTYPES[args.dtype])):
         if args.json:
             print(json.dumps(row), flush=True)
         else:

@@ -12,24 +12,15 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
 import urllib.request
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-pytest.importorskip("sglang")
+import sglang_server
+from sglang.srt.layers.radix_attention import AttentionType
 
-from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
-
-STARTUP_TIMEOUT_S = float(os.environ.get("JETFLOW_SGLANG_STARTUP_TIMEOUT", 420))
 MAX_NEW_TOKENS = 24
 PROMPTS = [
     "The capital of France is",
@@ -39,46 +30,6 @@ PROMPTS = [
 
 
 # --------------------------------------------------------------------- server
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _post(url: str, body: dict, timeout: float = 300) -> dict:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop the server and its scheduler/detokenizer children (own process group)."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # stragglers in the group
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def target_dir() -> str:
     from jetflow_sglang.assets import prepare
@@ -88,39 +39,11 @@ def target_dir() -> str:
 
 @pytest.fixture(scope="module")
 def server(target_dir, tmp_path_factory):
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path_factory.mktemp("sglang") / "server.log"
-    env = dict(os.environ)
-    env.pop("SGLANG_USE_CPU_ENGINE", None)
-    cmd = [
-        sys.executable, "-m", "sglang.launch_server",
-        "--model-path", target_dir,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32",
-        "--max-total-tokens", "8192",
-    ]  # fmt: skip
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    t0 = time.monotonic()
+    running = sglang_server.start(target_dir, tmp_path_factory.mktemp("sglang") / "server.log")
     try:
-        while not _healthy(url):
-            if proc.poll() is not None:
-                pytest.fail(
-                    f"sglang server exited with {proc.returncode}:\n"
-                    + log_path.read_text(errors="replace")[-4000:]
-                )
-            if time.monotonic() - t0 > STARTUP_TIMEOUT_S:
-                pytest.fail(
-                    f"sglang server not healthy after {STARTUP_TIMEOUT_S:.0f}s:\n"
-                    + log_path.read_text(errors="replace")[-4000:]
-                )
-            time.sleep(1)
-        yield SimpleNamespace(url=url, log=log_path, startup_s=time.monotonic() - t0)
+        yield running
     finally:
-        _stop(proc)
+        running.stop()
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +78,7 @@ def test_server_uses_jetflow_platform_and_backend(server):
 def test_greedy_token_ids_match_hf(server, hf_model, prompt):
     tok, model = hf_model
     ids = tok(prompt).input_ids
-    out = _post(
+    out = sglang_server.post(
         server.url + "/generate",
         {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS}},
     )
@@ -168,14 +91,14 @@ def test_repeated_prompt_hits_radix_cache(server, hf_model):
     tok, _ = hf_model
     ids = tok("A radix cache stores the key and value vectors of shared prefixes.").input_ids
     body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
-    _post(server.url + "/generate", body)
-    again = _post(server.url + "/generate", body)
+    sglang_server.post(server.url + "/generate", body)
+    again = sglang_server.post(server.url + "/generate", body)
     assert again["meta_info"]["cached_tokens"] > 0
 
 
 @pytest.mark.slow
 def test_chat_completions(server):
-    out = _post(
+    out = sglang_server.post(
         server.url + "/v1/chat/completions",
         {
             "model": "default",
