@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -49,7 +49,6 @@ class JetFlowConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
     mask_token_id: int = -1  # -1: target_vocab_size (a virtual id past the target vocabulary)
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.mask_token_id < 0:
@@ -103,7 +102,7 @@ class JetFlowConfig:
 
     def to_json_dict(self) -> dict:
         """config.json: a standard `llama` config (loads with AutoConfig) plus a `jetflow` section."""
-        jetflow = {k: v for k, v in asdict(self).items() if k != "extra"}
+        jetflow = asdict(self)
         return {
             "architectures": [ARCHITECTURE],
             "model_type": "llama",
@@ -120,14 +119,13 @@ class JetFlowConfig:
             "vocab_size": self.target_vocab_size,
             "tie_word_embeddings": False,
             "jetflow": jetflow,
-            **self.extra,
         }
 
     @classmethod
     def from_json_dict(cls, data: dict) -> "JetFlowConfig":
         if "jetflow" not in data:
             raise JetFlowError("head config.json has no 'jetflow' section: not a JetFlow head")
-        known = set(cls.__dataclass_fields__) - {"extra"}
+        known = set(cls.__dataclass_fields__)
         values = {k: v for k, v in data["jetflow"].items() if k in known}
         try:
             return cls(**values)

@@ -16,7 +16,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -52,7 +52,6 @@ class TrainConfig:
     checkpoint_every: int = 200
     seed: int = 0
     resume: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
