@@ -16,10 +16,7 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/jetflow prepare
-	$(VENV)/bin/jetflow generate --chat --compare-ar --budget 64 --max-new-tokens 96 \
-		--prompt "Write a Python function that returns the n-th Fibonacci number."
-	$(VENV)/bin/jetflow generate --compare-ar --budget 64 --max-new-tokens 96 \
-		--prompt "def is_prime(n):"
+	$(VENV)/bin/jetflow bench --prompts demo --max-new-tokens 96 --show-text --out out/demo.json
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -161,6 +161,19 @@ def load_head(head_spec: str, target_dir: Path):
     return head
 
 
+def head_dir_for(head_spec: str, target_dir: Path) -> Path:
+    """A head directory an SGLang server can load (`default`, `random` or a path), checked
+    against the target so a misfit fails here with one line rather than inside the server."""
+    if head_spec == "default":
+        path = default_head_dir(target_dir)
+    elif head_spec == "random":
+        path = prepare_random_head(target_dir)
+    else:
+        path = Path(head_spec)
+    load_head(str(path), target_dir)
+    return path
+
+
 def load_target_and_head(target_spec: str, head_spec: str, dtype=None):
     """The target (with the head's taps hooked) and a head bound to it; the head is checked
     against the target's config before any target weights load."""

@@ -122,6 +122,41 @@ def cmd_eval(args: argparse.Namespace) -> None:
             print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    import socket
+
+    from jetflow_sglang import server as sglang_server
+    from jetflow_sglang.assets import head_dir_for, resolve_target
+    from jetflow_sglang.target import check_model_dir
+    from jetflow_sglang.tree import MAX_BUDGET
+
+    if not 1 <= args.budget <= MAX_BUDGET:
+        raise JetFlowError(f"budget must be between 1 and {MAX_BUDGET}, got {args.budget}")
+    target = check_model_dir(resolve_target(args.target))
+    extra = list(args.sglang_args)
+    if not args.no_spec:
+        extra = sglang_server.jetflow_args(str(head_dir_for(args.head, target)), args.budget) + extra
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        if probe.connect_ex((sglang_server.HOST, args.port)) == 0:
+            raise JetFlowError(f"port {args.port} on {sglang_server.HOST} is already in use")
+    code = sglang_server.serve_forever(str(target), extra, args.port, DTYPES[args.dtype], args.max_total_tokens)
+    if code not in (0, -15):
+        raise JetFlowError(f"sglang server exited with {code}")
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from jetflow_sglang.served import BenchConfig, format_table, run_bench
+
+    config = _config_from_args(BenchConfig, args, dtype=DTYPES[args.dtype])
+    report = run_bench(config, echo=lambda line: print(line, file=sys.stderr if args.json else sys.stdout, flush=True))
+    if args.json:
+        print(json.dumps(report), flush=True)
+    else:
+        print("\n" + format_table(report), flush=True)
+        if config.out:
+            print(f"report: {config.out}", flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jetflow", description="JetFlow speculative decoding for SGLang")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -188,12 +223,45 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ev.add_argument("--json", action="store_true")
     ev.set_defaults(func=cmd_eval)
+
+    serve = sub.add_parser(
+        "serve",
+        help="launch sglang.launch_server on 127.0.0.1 with JETFLOW, the default target and head",
+        description="Unknown flags are passed to sglang.launch_server unchanged.",
+        allow_abbrev=False,
+    )
+    serve.add_argument("--target", default="default", help="default or a HF model directory")
+    serve.add_argument("--head", default="default", help="default, random, or a head directory")
+    serve.add_argument("--port", type=_positive("port"), default=30000)
+    serve.add_argument("--budget", type=int, default=64, help="tree nodes per round (--speculative-num-draft-tokens)")
+    serve.add_argument("--no-spec", action="store_true", help="serve the target alone")
+    serve.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    serve.add_argument("--max-total-tokens", type=_positive("max total tokens"), default=8192, help="KV cache size")
+    serve.set_defaults(func=cmd_serve, passthrough=True)
+
+    bench = sub.add_parser("bench", help="tokens/s and tau of an SGLang server with and without JETFLOW")
+    bench.add_argument("--target", default="default")
+    bench.add_argument("--head", default="default", help="default, random, or a head directory")
+    bench.add_argument("--prompts", default="humaneval", help="demo, humaneval, sharegpt-heldout, or a JSON/JSONL file")
+    bench.add_argument("--limit", type=_positive("limit"), default=8)
+    bench.add_argument("--budget", type=int, default=64)
+    bench.add_argument("--max-new-tokens", type=_positive("max new tokens"), default=256)
+    bench.add_argument("--ignore-eos", action="store_true", help="always decode max-new-tokens tokens")
+    bench.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    bench.add_argument("--show-text", action="store_true", help="print each answer")
+    bench.add_argument("--out", default=None, help="write the JSON report here")
+    bench.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if getattr(args, "passthrough", False):
+        args.sglang_args = unknown[1:] if unknown[:1] == ["--"] else unknown
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         args.func(args)
     except JetFlowError as exc:

@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("sglang")
 
-import sglang_server  # noqa: E402
+from jetflow_sglang import server as sglang_server  # noqa: E402
 
 RANDOM_PROMPTS = [
     ("Say hello in one word.", True),

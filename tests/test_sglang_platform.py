@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import sglang_server
+from jetflow_sglang import server as sglang_server
 from sglang.srt.layers.radix_attention import AttentionType
 
 MAX_NEW_TOKENS = 24

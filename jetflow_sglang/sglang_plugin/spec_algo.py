@@ -116,6 +116,8 @@ def validate_server_args(server_args) -> None:
 def request_error(req) -> Optional[str]:
     """Why JETFLOW cannot serve this request correctly, or None (greedy, no grammar)."""
     params = req.sampling_params
+    if getattr(params, "max_new_tokens", None) == 0:
+        return None  # prefill only (scoring, frontend `select`): nothing is ever decoded
     temperature = getattr(params, "temperature", 0.0) or 0.0
     top_k = getattr(params, "top_k", 1)
     if temperature > 0 and top_k != 1:

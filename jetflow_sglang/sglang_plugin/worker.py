@@ -18,6 +18,7 @@ own buffers, indexed by the target's KV slot ids (radix-cache hits reuse them).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -46,7 +47,9 @@ from .spec_algo import request_error
 logger = logging.getLogger(__name__)
 
 ORACLE_ENV = "JETFLOW_TEST_ORACLE"
+DUMP_FEATURES_ENV = "JETFLOW_TEST_DUMP_FEATURES"  # tests: compare captured taps with HF's
 PROFILE_ENV = "JETFLOW_PROFILE"
+PROFILE_EVERY = 20  # rounds between profile log lines (cumulative)
 
 
 class JetFlowWorker(BaseSpecWorker):
@@ -74,6 +77,7 @@ class JetFlowWorker(BaseSpecWorker):
         model.set_dflash_layers_to_capture(list(head.config.target_layer_ids))
         self.proposer: Optional[Proposer] = None
         self.profile = os.environ.get(PROFILE_ENV, "") == "1"
+        self.dump_dir = os.environ.get(DUMP_FEATURES_ENV) or None
         self.timings: dict[str, float] = defaultdict(float)
         self.rounds = 0
 
@@ -155,9 +159,26 @@ class JetFlowWorker(BaseSpecWorker):
             [torch.arange(p, p + n, device=self.device) for p, n in zip(batch.prefix_lens, extend_lens)]
         )
         self.proposer.write_context(hidden, batch.out_cache_loc, positions)
+        if self.dump_dir:
+            self._dump_features(batch, hidden, positions)
         out.logits_output.hidden_states = None
         out.next_draft_input = make_draft_input_v2(bonus_tokens=out.next_token_ids, new_seq_lens=batch.seq_lens)
         return out
+
+    def _dump_features(self, batch: ScheduleBatch, hidden: torch.Tensor, positions: torch.Tensor) -> None:
+        """One safetensors file per request and extend chunk: its tokens, positions and tapped features."""
+        from safetensors.torch import save_file
+
+        start = 0
+        for req, n, prefix in zip(batch.reqs, batch.extend_lens, batch.prefix_lens):
+            rows = slice(start, start + n)
+            start += n
+            tensors = {
+                "input_ids": batch.input_ids[rows].to(torch.int64).cpu(),
+                "positions": positions[rows].cpu(),
+                "features": hidden[rows].float().cpu(),
+            }
+            save_file(tensors, os.path.join(self.dump_dir, f"{req.rid}-{int(prefix)}.safetensors"))
 
     def _tick(self, name: str, start: float) -> float:
         now = time.perf_counter()
@@ -218,10 +239,15 @@ class JetFlowWorker(BaseSpecWorker):
         batch.forward_mode = ForwardMode.DECODE
         self._tick("bookkeeping", t)
         self.rounds += 1
-        if self.profile and self.rounds % 50 == 0:
+        if self.profile and self.rounds % PROFILE_EVERY == 0:
             total = sum(self.timings.values())
-            shares = ", ".join(f"{k} {v / total:.0%} ({1000 * v / self.rounds:.1f} ms)" for k, v in self.timings.items())
-            logger.info("JETFLOW profile over %d rounds (bs=%d, N=%d): %s", self.rounds, bs, budget, shares)
+            report = {
+                "rounds": self.rounds,
+                "budget": budget,
+                "ms_per_round": {k: round(1000 * v / self.rounds, 2) for k, v in self.timings.items()},
+                "share": {k: round(v / total, 4) for k, v in self.timings.items()},
+            }
+            logger.info("JETFLOW profile %s", json.dumps(report))
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=next_token_ids.flatten(),
