@@ -112,7 +112,7 @@ class Target:
         Returns logits [b, T, V] (fp32) and tapped features [b, T, n_taps * H]."""
         self._captured.clear()
         if attention_mask is not None:
-            attention_mask = torch.zeros(attention_mask.shape, dtype=self.dtype).masked_fill(
+            attention_mask = torch.zeros(attention_mask.shape, dtype=self.dtype, device=attention_mask.device).masked_fill(
                 ~attention_mask, torch.finfo(self.dtype).min
             )
         out = self.model(
@@ -124,6 +124,15 @@ class Target:
         )
         features = torch.cat([self._captured[i] for i in self.tap_layers], -1) if self.tap_layers else None
         return out.logits.float(), features
+
+    @torch.inference_mode()
+    def hidden_and_features(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """Decoder only (no lm_head), right-padded batch: the final normed hidden states [b, T, H]
+        and the tapped features [b, T, n_taps * H]."""
+        self._captured.clear()
+        out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        features = torch.cat([self._captured[i] for i in self.tap_layers], -1)
+        return out.last_hidden_state, features
 
     def new_cache(self):
         from transformers import DynamicCache

@@ -1,13 +1,15 @@
 """`jetflow train`: distill a JetFlow head from its frozen target on regenerated data.
 
-Per step: a batch of regenerated sequences goes through the frozen target once
-(features at the tap layers and the target's soft distributions, on the fly);
-random anchors a are drawn in each response; block [x_a, MASK x (B-1)] attends to
-the context features of positions < a and, within the block, causally (or
+The frozen target runs once over the data (`features.py`: tap features and final hidden
+states cached on disk, shared by every head trained on that data). Per step: random
+anchors a are drawn in the responses of a batch of sequences; block [x_a, MASK x (B-1)]
+attends to the context features of positions < a and, within the block, causally (or
 bidirectionally: the DFlash-T baseline). Slot d is trained towards the target's
-distribution for position a+d: forward KL (default), reverse KL, or hard-label SFT,
-uniform over depths, none on the anchor slot. With `reveal`, a random prefix of each
-block holds the true tokens instead of MASK, so the head can also refine a drafted path.
+distribution for position a+d (its lm_head applied to the cached hidden state at a+d-1):
+forward KL (default), reverse KL, or hard-label SFT, uniform over depths, none on the
+anchor slot. With `reveal`, a random prefix of each block holds the true tokens instead
+of MASK, so the head can also refine a drafted path. Under `torchrun` the head trains
+with DistributedDataParallel (gloo on CPU, nccl on CUDA); rank 0 writes checkpoints.
 """
 
 from __future__ import annotations
@@ -128,27 +130,28 @@ def head_forward_blocks(
 
 
 class Batches:
-    """Random batches of regenerated sequences, about `batch_tokens` target tokens each."""
+    """Random batches of cached sequences, about `batch_tokens` tokens each."""
 
-    def __init__(self, examples: list[dict], config: TrainConfig, seed: int) -> None:
-        self.examples = [e for e in examples if e["response_ids"]]
-        if not self.examples:
-            raise JetFlowError("the data holds no examples with a response")
+    def __init__(self, store, config: TrainConfig) -> None:
+        self.store = store
         self.config = config
-        self.random = random.Random(seed)
 
-    def next(self, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
-        chosen, tokens = [], 0
+    def get(self, rng: random.Random, pad_id: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """input_ids [b, T], features [b, T, F], lengths [b], response starts [b], row offsets [b]."""
+        store, chosen, tokens = self.store, [], 0
         while tokens < self.config.batch_tokens:
-            example = self.random.choice(self.examples)
-            ids = (example["prompt_ids"] + example["response_ids"])[: self.config.max_seq_len]
-            chosen.append((ids, len(example["prompt_ids"])))
-            tokens += len(ids)
-        width = max(len(ids) for ids, _ in chosen)
-        input_ids = torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in chosen])
-        lengths = torch.tensor([len(ids) for ids, _ in chosen])
-        starts = torch.tensor([start for _, start in chosen])
-        return input_ids, lengths, starts
+            index = rng.randrange(len(store))
+            chosen.append(index)
+            tokens += int(store.lengths[index])
+        lengths = store.lengths[chosen]
+        offsets = store.offsets[chosen]
+        width = int(lengths.max())
+        columns = torch.arange(width)
+        valid = columns[None, :] < lengths[:, None]
+        rows = (offsets[:, None] + columns[None, :]).clamp(max=store.num_tokens - 1)
+        input_ids = torch.where(valid, store.input_ids[rows], torch.full_like(rows, pad_id))
+        features = store.features[rows] * valid[..., None]
+        return input_ids, features, lengths, store.prompt_lens[chosen], offsets
 
 
 def _check_config(config: TrainConfig) -> None:
@@ -174,13 +177,46 @@ def load_examples(data_dir: Path, tokenizer) -> list[dict]:
     return examples
 
 
+class BlockDrafter(torch.nn.Module):
+    """`head_forward_blocks` as a module, so DistributedDataParallel can wrap it."""
+
+    def __init__(self, head: JetFlowHead) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, *args: Tensor) -> tuple[Tensor, Tensor]:
+        return head_forward_blocks(self.head, *args)
+
+
+def _distributed() -> tuple[int, int, torch.device]:
+    """(rank, world size, device); starts the process group under torchrun."""
+    import os
+
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), world, device
+
+
 def train(config: TrainConfig, log=print) -> dict:
     from tqdm import tqdm
 
     from jetflow_sglang.assets import resolve_target
+    from jetflow_sglang.features import build_or_load
     from jetflow_sglang.target import Target
 
     _check_config(config)
+    rank, world, device = _distributed()
     out = Path(config.out)
     target_dir = resolve_target(config.target)
     target = Target(target_dir, dtype=torch.bfloat16)
@@ -188,55 +224,77 @@ def train(config: TrainConfig, log=print) -> dict:
     head_config = JetFlowConfig.for_target(
         target.config, num_layers=config.layers, block_size=config.block_size, causal=config.mask == "causal"
     )
+    if not config.resume and (out / "config.json").exists():
+        raise JetFlowError(f"{out} already holds a head; pass --resume or choose another --out")
     target.set_tap_layers(head_config.target_layer_ids)
+    if rank == 0:
+        store = build_or_load(target, target_dir, Path(config.data), examples, config.max_seq_len, log=log)
+    if world > 1:
+        torch.distributed.barrier()  # rank 0 built the cache; the others only read it
+    if rank != 0:
+        store = build_or_load(target, target_dir, Path(config.data), examples, config.max_seq_len, log=lambda *_: None)
+    embedding, lm_head = target.embedding.to(device), target.lm_head.to(device)
+    del target  # only its embedding and lm_head are needed from here on
     torch.manual_seed(config.seed)
-    head = JetFlowHead(head_config).init_weights(config.seed).bind_target(target.embedding, target.lm_head)
+    head = JetFlowHead(head_config).init_weights(config.seed).to(device).bind_target(embedding, lm_head)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     step, history = 0, []
     if config.resume:
         step, history = _resume(head, optimizer, out, config)
-    elif (out / "config.json").exists():
-        raise JetFlowError(f"{out} already holds a head; pass --resume or choose another --out")
-    batches = Batches(examples, config, config.seed + step)
-    anchors_rng = random.Random(config.seed * 7919 + step)
-    pad_id = target.tokenizer.pad_token_id or 0
+    drafter = BlockDrafter(head)
+    if world > 1:
+        drafter = torch.nn.parallel.DistributedDataParallel(drafter)
+    batches = Batches(store, config)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     head.train()
-    start = time.perf_counter()
+    start, first_step = time.perf_counter(), step
     tokens_seen = 0
-    with tqdm(total=config.steps, initial=step, desc="train", unit="step") as bar:
+    with tqdm(total=config.steps, initial=step, desc="train", unit="step", disable=rank != 0) as bar:
         while step < config.steps:
-            input_ids, lengths, starts = batches.next(pad_id)
-            positions = torch.arange(input_ids.shape[1]).expand(len(input_ids), -1)
-            target_logits, features = target.forward(input_ids, positions, None)
-            features = features.clone()  # out of inference mode: the head's fc saves it for backward
-            rows, anchors = sample_blocks(lengths, starts, config.anchors_per_seq, config.block_size, anchors_rng)
-            reveal = torch.where(
-                torch.rand(len(rows)) < config.reveal, torch.randint(0, config.block_size - 1, (len(rows),)), torch.zeros(len(rows), dtype=torch.long)
-            )
+            # Every draw of a step comes from (seed, rank, step): a resumed run repeats it exactly.
+            rng = random.Random(f"{config.seed}/{rank}/{step}")
+            generator = torch.Generator().manual_seed(rng.getrandbits(63))
+            input_ids, features, lengths, starts, offsets = batches.get(rng, pad_id=0)
+            rows, anchors = sample_blocks(lengths, starts, config.anchors_per_seq, config.block_size, rng)
+            revealed = torch.randint(0, config.block_size - 1, (len(rows),), generator=generator)
+            reveal = torch.where(torch.rand(len(rows), generator=generator) < config.reveal, revealed, 0)
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(config, step)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                draft_logits, label_positions = head_forward_blocks(head, features, input_ids, rows, anchors, lengths, reveal)
-            # Slot d predicts position a+d: its target distribution is the target's output at a+d-1.
-            slot_rows = rows[:, None].expand_as(label_positions)
-            soft = target_logits[slot_rows, (label_positions - 1).clamp(min=0)]
+            batch = [t.to(device) for t in (features, input_ids, rows, anchors, lengths, reveal)]
+            with autocast:
+                draft_logits, label_positions = drafter(*batch)
+                label_positions = label_positions.cpu()
+                # Slot d predicts position a+d: its target distribution is the target's output at a+d-1.
+                slot_rows = rows[:, None].expand_as(label_positions)
+                hidden_rows = offsets[slot_rows] + (label_positions - 1).clamp(min=0)
+                soft = F.linear(store.final_hidden[hidden_rows].to(device), lm_head)
             labels = torch.where(label_positions >= 0, input_ids[slot_rows, label_positions.clamp(min=0)], -1)
             # Revealed slots are inputs, not predictions.
             labels = torch.where(torch.arange(1, config.block_size)[None, :] <= reveal[:, None], -1, labels)
-            loss = block_loss(draft_logits.flatten(0, 1), soft.flatten(0, 1), labels.flatten(), config.loss, config.kl_temperature)
+            loss = block_loss(
+                draft_logits.flatten(0, 1), soft.flatten(0, 1), labels.flatten().to(device), config.loss, config.kl_temperature
+            )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), config.grad_clip)
             optimizer.step()
             step += 1
-            tokens_seen += int(lengths.sum())
+            tokens_seen += int(lengths.sum()) * world
             history.append({"step": step, "loss": loss.item(), "lr": learning_rate(config, step - 1)})
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_seen / (time.perf_counter() - start):.0f}")
-            if step % config.checkpoint_every == 0 or step == config.steps:
+            if rank == 0 and (step % config.checkpoint_every == 0 or step == config.steps):
                 _checkpoint(head, optimizer, out, config, step, history)
     seconds = time.perf_counter() - start
-    return {"out": str(out), "steps": step, "final_loss": history[-1]["loss"], "seconds": round(seconds, 1)}
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    return {
+        "out": str(out),
+        "steps": step,
+        "final_loss": history[-1]["loss"],
+        "seconds": round(seconds, 1),
+        "seconds_per_step": round(seconds / max(1, step - first_step), 3),
+    }
 
 
 def _checkpoint(head: JetFlowHead, optimizer, out: Path, config: TrainConfig, step: int, history: list) -> None:
@@ -259,6 +317,32 @@ def _checkpoint(head: JetFlowHead, optimizer, out: Path, config: TrainConfig, st
     save_file(state, str(out / "train_state.safetensors"))
     meta = {"step": step, "config": asdict(config), "history": history}
     (out / "train_state.json").write_text(json.dumps(meta))
+    plot_loss(history, out / "loss.png", title=f"{config.loss}, {config.mask} mask")
+
+
+def plot_loss(history: list[dict], path: Path, title: str = "") -> None:
+    """Loss per step (light) and its 50-step running mean."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # the `train` extra is not installed
+        return
+    steps = [h["step"] for h in history]
+    losses = [h["loss"] for h in history]
+    window = 50
+    smooth = [sum(losses[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(losses))]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(steps, losses, alpha=0.3, linewidth=0.8, label="loss")
+    ax.plot(steps, smooth, linewidth=1.5, label=f"mean of {window}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def _resume(head: JetFlowHead, optimizer, out: Path, config: TrainConfig) -> tuple[int, list]:

@@ -122,3 +122,25 @@ def test_console_script_exits_nonzero_with_one_line(prepared):
     assert out.returncode != 0
     assert out.stderr.strip().startswith("jetflow: error:") and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_serve_refuses_bad_budget_head_and_busy_port_before_launching(prepared, tmp_path, capsys):
+    import socket
+
+    assert main(["serve", "--budget", "0"]) == 2
+    assert "between 1 and 512" in _error_line(capsys)
+    assert main(["serve", "--head", str(tmp_path / "nowhere")]) == 2
+    assert "not found" in _error_line(capsys)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+        assert "already in use" in _error_line(capsys)
+
+
+def test_unknown_flags_are_refused_except_by_serve(prepared, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--prompt", "x", "--chunked-prefill-size", "64"])
+    assert info.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err

@@ -317,3 +317,16 @@ def test_bench_serving_sharegpt_completes_with_accept_length(servers, assets, tm
     assert report["completed"] == 16, output[-4000:]
     assert "Accept length:" in output, output[-4000:]
     assert report.get("accept_length", 0) >= 1.0
+
+
+# ------------------------------------------------------------------- jetflow serve
+@pytest.mark.slow
+def test_jetflow_serve_stops_its_server_on_sigterm(servers):
+    """Runs last in this module: `jetflow serve` takes its server down with it."""
+    proc, url = servers["serve_proc"], servers["jetflow"]
+    assert sglang_server.healthy(url)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=90) == 0
+    assert not sglang_server.healthy(url)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(servers["info"]["pid"], 0)

@@ -1,0 +1,149 @@
+"""Target features for training: one frozen-target pass over the regenerated data, on disk.
+
+Every head trained on a data directory with the same target and tap layers reads the
+same cache (the JetFlow head and its bidirectional baseline share one target pass),
+and a training step runs no target forward at all: per token the cache holds the
+fused tap features (the head's context) and the target's final normed hidden state,
+from which the target's distribution at any position is one lm_head product.
+
+Layout: ``DATA/features-<key>/part-NNNNN.safetensors`` (examples sorted by length, in
+groups) and ``meta.json``; ``<key>`` hashes the target config, the taps, the sequence
+cap and the data shards, so a change to any of them builds a new cache. Parts are
+written atomically and skipped when present: an interrupted build resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from jetflow_sglang.errors import JetFlowError
+
+CACHE_VERSION = 1
+EXAMPLES_PER_PART = 256
+
+
+@dataclass
+class FeatureStore:
+    """Sequences back to back: sequence i is rows offsets[i]:offsets[i+1]."""
+
+    input_ids: Tensor  # [total] int64
+    features: Tensor  # [total, n_taps * H] bf16
+    final_hidden: Tensor  # [total, H] bf16, after the target's final norm
+    offsets: Tensor  # [n + 1] int64
+    prompt_lens: Tensor  # [n] int64
+
+    def __len__(self) -> int:
+        return len(self.prompt_lens)
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+
+def cache_key(target_dir: Path, tap_layers: list[int], max_seq_len: int, data_dir: Path) -> str:
+    from jetflow_sglang.data import shard_paths
+
+    shards = [(p.name, p.stat().st_size) for p in shard_paths(data_dir)]
+    blob = json.dumps(
+        {
+            "version": CACHE_VERSION,
+            "target": hashlib.sha256((Path(target_dir) / "config.json").read_bytes()).hexdigest(),
+            "taps": list(tap_layers),
+            "max_seq_len": max_seq_len,
+            "shards": shards,
+        }
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _part_batches(examples: list[dict], tokens_per_batch: int) -> list[list[int]]:
+    """Indices grouped so a padded batch holds about tokens_per_batch tokens (examples are length-sorted)."""
+    batches, current, width = [], [], 0
+    for index, example in enumerate(examples):
+        width = max(width, len(example["ids"]))
+        if current and width * (len(current) + 1) > tokens_per_batch:
+            batches.append(current)
+            current, width = [], len(example["ids"])
+        current.append(index)
+    if current:
+        batches.append(current)
+    return batches
+
+
+@torch.inference_mode()
+def _featurize(target, examples: list[dict], tokens_per_batch: int) -> dict[str, Tensor]:
+    pad = target.tokenizer.pad_token_id or 0
+    ids_out, features_out, hidden_out = [], [], []
+    for batch in _part_batches(examples, tokens_per_batch):
+        rows = [examples[i]["ids"] for i in batch]
+        width = max(len(r) for r in rows)
+        input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+        attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        final_hidden, features = target.hidden_and_features(input_ids, attention)
+        for row, ids in enumerate(rows):
+            ids_out.append(torch.tensor(ids))
+            features_out.append(features[row, : len(ids)].to(torch.bfloat16))
+            hidden_out.append(final_hidden[row, : len(ids)].to(torch.bfloat16))
+    lengths = torch.tensor([len(e["ids"]) for e in examples])
+    return {
+        "input_ids": torch.cat(ids_out),
+        "features": torch.cat(features_out).contiguous(),
+        "final_hidden": torch.cat(hidden_out).contiguous(),
+        "lengths": lengths,
+        "prompt_lens": torch.tensor([e["prompt_len"] for e in examples]),
+    }
+
+
+def build_or_load(target, target_dir: Path, data_dir: Path, examples: list[dict], max_seq_len: int,
+                  tokens_per_batch: int = 8192, log=print) -> FeatureStore:  # fmt: skip
+    """The feature cache of `examples` (as read from data_dir) for the target's current taps."""
+    from safetensors.torch import load_file, save_file
+
+    key = cache_key(target_dir, target.tap_layers, max_seq_len, data_dir)
+    cache = Path(data_dir) / f"features-{key}"
+    cache.mkdir(exist_ok=True)
+    rows = [
+        {"ids": (e["prompt_ids"] + e["response_ids"])[:max_seq_len], "prompt_len": len(e["prompt_ids"])}
+        for e in examples
+        if e["response_ids"]
+    ]
+    if not rows:
+        raise JetFlowError(f"{data_dir} holds no examples with a response")
+    rows.sort(key=lambda r: len(r["ids"]))
+    parts = [rows[i : i + EXAMPLES_PER_PART] for i in range(0, len(rows), EXAMPLES_PER_PART)]
+    todo = [i for i in range(len(parts)) if not (cache / f"part-{i:05d}.safetensors").is_file()]
+    if todo:
+        total = sum(len(r["ids"]) for i in todo for r in parts[i])
+        log(f"target features: {len(todo)} of {len(parts)} parts to build ({total} tokens) in {cache}")
+        start, done = time.perf_counter(), 0
+        for i in todo:
+            tensors = _featurize(target, parts[i], tokens_per_batch)
+            staging = cache / f".part-{i:05d}.safetensors"
+            save_file(tensors, str(staging))
+            staging.replace(cache / f"part-{i:05d}.safetensors")
+            done += int(tensors["lengths"].sum())
+            log(f"  part {i + 1}/{len(parts)}: {done}/{total} tokens, {done / (time.perf_counter() - start):.0f} tok/s")
+        (cache / "meta.json").write_text(json.dumps({"key": key, "taps": target.tap_layers, "examples": len(rows),
+                                                     "tokens": sum(len(r["ids"]) for r in rows)}))  # fmt: skip
+    loaded = [load_file(str(cache / f"part-{i:05d}.safetensors")) for i in range(len(parts))]
+    lengths = torch.cat([p["lengths"] for p in loaded])
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.long)
+    offsets[1:] = lengths.cumsum(0)
+    return FeatureStore(
+        input_ids=torch.cat([p["input_ids"] for p in loaded]).long(),
+        features=torch.cat([p["features"] for p in loaded]),
+        final_hidden=torch.cat([p["final_hidden"] for p in loaded]),
+        offsets=offsets,
+        prompt_lens=torch.cat([p["prompt_lens"] for p in loaded]).long(),
+    )

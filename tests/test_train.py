@@ -1,0 +1,127 @@
+"""Training end to end at toy size: regenerate with the real target, cache its features,
+train, checkpoint, resume exactly, run under torchrun (DDP, gloo on CPU), refuse bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from jetflow_sglang.cli import main
+
+TRAIN_ARGS = ["--layers", "1", "--batch-tokens", "256", "--checkpoint-every", "2", "--lr", "3e-4", "--warmup-steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("regen") / "data"
+    args = ["regenerate", "--prompts", "sharegpt", "--limit", "6", "--max-new-tokens", "32", "--backend", "hf",
+            "--batch-size", "6", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    return out
+
+
+def _train(data_dir: Path, out: Path, steps: int, *extra: str) -> int:
+    return main(["train", "--data", str(data_dir), "--out", str(out), "--steps", str(steps), *TRAIN_ARGS, *extra])
+
+
+@pytest.mark.slow
+def test_train_writes_a_loadable_head_loss_curve_and_shared_feature_cache(data_dir, tmp_path, capsys):
+    from transformers import AutoConfig
+
+    from jetflow_sglang.assets import prepare
+    from jetflow_sglang.head import JetFlowHead
+
+    assert _train(data_dir, tmp_path / "head", 4) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["steps"] == 4 and report["final_loss"] == report["final_loss"]  # not NaN
+    head = JetFlowHead.load(tmp_path / "head")
+    head.config.check_fits_target(AutoConfig.from_pretrained(prepare()["target"]))
+    assert head.config.num_layers == 1
+    assert {t.dtype for t in load_file(str(tmp_path / "head" / "model.safetensors")).values()} == {torch.bfloat16}
+    assert (tmp_path / "head" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    history = json.loads((tmp_path / "head" / "train_state.json").read_text())["history"]
+    assert [h["step"] for h in history] == [1, 2, 3, 4]
+    caches = list(data_dir.glob("features-*"))
+    assert len(caches) == 1
+    # A second head on the same data (the bidirectional baseline) reads the same cache.
+    assert _train(data_dir, tmp_path / "baseline", 1, "--mask", "bidirectional") == 0
+    assert "parts to build" not in capsys.readouterr().out
+    assert list(data_dir.glob("features-*")) == caches
+    assert JetFlowHead.load(tmp_path / "baseline").config.causal is False
+
+
+@pytest.mark.slow
+def test_resume_repeats_the_uninterrupted_run_exactly(data_dir, tmp_path):
+    assert _train(data_dir, tmp_path / "straight", 4) == 0
+    assert _train(data_dir, tmp_path / "resumed", 2) == 0
+    assert _train(data_dir, tmp_path / "resumed", 4, "--resume") == 0
+    straight = load_file(str(tmp_path / "straight" / "train_state.safetensors"))
+    resumed = load_file(str(tmp_path / "resumed" / "train_state.safetensors"))
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    losses = [json.loads((tmp_path / d / "train_state.json").read_text())["history"] for d in ("straight", "resumed")]
+    assert losses[0] == losses[1]
+
+
+@pytest.mark.slow
+def test_torchrun_ddp_on_two_cpu_processes(data_dir, tmp_path):
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), "-m", "jetflow_sglang.cli", "train", "--data", str(data_dir),
+           "--out", str(out), "--steps", "2", *TRAIN_ARGS]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    history = json.loads((out / "train_state.json").read_text())["history"]
+    assert len(history) == 2 and (out / "model.safetensors").is_file()
+
+
+def _free_port() -> int:
+    from jetflow_sglang.server import free_port
+
+    return free_port()
+
+
+# ----------------------------------------------------------------------- bad input
+def _expect_error(capsys, args: list[str], needle: str) -> None:
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+@pytest.mark.slow
+def test_bad_data_and_mismatched_resume_are_one_line_errors(data_dir, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _expect_error(capsys, ["train", "--data", str(empty), "--out", str(tmp_path / "o1"), "--steps", "1"], "meta.json")
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "meta.json").write_text((data_dir / "meta.json").read_text())
+    (broken / "shard-00000.jsonl").write_text('{"prompt_ids": [1, 2], "response_ids": [3]}\n{not json\n')
+    _expect_error(capsys, ["train", "--data", str(broken), "--out", str(tmp_path / "o2"), "--steps", "1"], "not valid JSON")
+
+    other = tmp_path / "other-tokenizer"
+    other.mkdir()
+    meta = json.loads((data_dir / "meta.json").read_text())
+    (other / "meta.json").write_text(json.dumps({**meta, "tokenizer": "0" * 16}))
+    for shard in data_dir.glob("shard-*.jsonl"):
+        (other / shard.name).write_text(shard.read_text())
+    _expect_error(capsys, ["train", "--data", str(other), "--out", str(tmp_path / "o3"), "--steps", "1"], "another tokenizer")
+
+    head = tmp_path / "head"
+    assert _train(data_dir, head, 2) == 0
+    capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in head.iterdir()}
+    _expect_error(capsys, ["train", "--data", str(data_dir), "--out", str(head), "--steps", "4", *TRAIN_ARGS,
+                           "--loss", "rkl", "--resume"], "loss")  # fmt: skip
+    _expect_error(capsys, ["train", "--data", str(data_dir), "--out", str(head), "--steps", "4", *TRAIN_ARGS], "already holds")
+    assert {p.name: p.read_bytes() for p in head.iterdir()} == before
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
