@@ -1,0 +1,513 @@
+"""Device check for one NVIDIA GPU without network (issue 5): the kernel tests on CUDA, then
+CUDA-event timings (median of many) on a Qwen3-8B-shaped target with random bf16 weights: target
+verify of an N-node draft tree over a prefix (HF SDPA with a 4D tree mask; the packed custom
+mask through FlashInfer), the JetFlow head's draft pass, and the tree kernels against their
+torch references. Prints a table last and writes JSON (relative paths: from the repo root).
+
+--dry-run: the same steps on a tiny Qwen3 on CPU, with perf_counter, the kernels' torch
+fallbacks, and the packed mask unpacked into SDPA (its logits must equal the 4D-mask run's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ROOT = Path(__file__).resolve().parent.parent
+QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6)
+TOY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+           intermediate_size=128, vocab_size=512, max_position_embeddings=4096, rms_norm_eps=1e-6)
+KERNEL_OPS = ("tree_build", "tree_masks", "accept_greedy", "accept_sampling")
+WIDTH = 7  # per-depth top-k of the tree (the engine's default)
+SAMPLING = (0.6, 20, 0.95)  # temperature, top_k, top_p of the sampling-acceptance rows
+
+
+def log(message: str) -> None:
+    print(f"[device_check {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Row:
+    name: str  # prefill, head, verify, or a kernel op
+    impl: str  # verify: hf_sdpa_4d or packed_mask (FlashInfer on CUDA); kernels: kernel or reference
+    n: int  # tree budget (tokens for the prefill and head rows)
+    status: str = "ok"  # ok, skipped: why, error: what
+    median_ms: float | None = None
+    p10_ms: float | None = None
+    p90_ms: float | None = None
+    iters: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Bench:
+    """Times callables, one row each: CUDA events (perf_counter on CPU), every run from an idle
+    device; rows that would start after the deadline are skipped."""
+
+    def __init__(self, device: torch.device, iters: int, warmup: int, deadline_s: float) -> None:
+        self.device, self.iters, self.warmup = device, iters, warmup
+        self.started = time.monotonic()
+        self.deadline = self.started + deadline_s
+        self.rows: list[Row] = []
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def time_once(self, fn: Callable[[], object]) -> float:
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def row(self, name: str, impl: str, n: int, fn: Callable[[], object], iters: int | None = None,
+            after: Callable[[], object] = lambda: None, skip: str | None = None, **extra) -> Row:
+        row = Row(name, impl, n, extra=extra)
+        self.rows.append(row)
+        label = f"{name:15s} {impl:11s} N={n:<5d}"
+        if skip or time.monotonic() > self.deadline:
+            row.status = f"skipped: {skip or 'deadline'}"
+            log(f"{label} {row.status}")
+            return row
+        t0, times = time.monotonic(), []
+        try:
+            for i in range(self.warmup + (iters or self.iters)):
+                elapsed = self.time_once(fn)
+                after()
+                if i >= self.warmup:
+                    times.append(elapsed)
+        except Exception as exc:  # noqa: BLE001 -- one broken row must not cost the others
+            row.status = f"error: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+            log(f"{label} {row.status}")
+            return row
+        times.sort()
+        row.iters, row.median_ms = len(times), statistics.median(times)
+        row.p10_ms, row.p90_ms = times[len(times) // 10], times[(len(times) * 9) // 10]
+        log(f"{label} median {row.median_ms:9.3f} ms ({len(times)} runs, {time.monotonic() - t0:.1f}s)")
+        return row
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def run_kernel_tests(dry_run: bool, timeout_s: float) -> dict:
+    """tests/test_kernels.py -m gpu: the kernel checks on CUDA. A dry run selects those (skipped
+    without CUDA) and the fast CPU wrapper tests; the interpreter runs would take minutes."""
+    selection = ["-k", "on_cuda or cpu_wrappers or rejects_bad_budgets"] if dry_run else ["-m", "gpu"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py", *selection]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result, t0 = {"command": " ".join(cmd[2:])}, time.monotonic()
+    try:
+        proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+        lines = proc.stdout.strip().splitlines()
+        result.update(status="passed" if proc.returncode == 0 else "failed",
+                      summary=lines[-1] if lines else proc.stderr.strip()[-300:])
+        if proc.returncode != 0:
+            result["output_tail"] = proc.stdout[-3000:] + proc.stderr[-2000:]
+    except subprocess.TimeoutExpired:
+        result.update(status="timeout", summary=f"timed out after {timeout_s:.0f}s")
+    result["seconds"] = round(time.monotonic() - t0, 1)
+    log(f"kernel tests {result['status']}: {result['summary']} ({result['seconds']}s)")
+    return result
+
+
+FLASHINFER_BUILD = """
+import sys, torch, flashinfer
+heads, kv_heads, head_dim = map(int, sys.argv[1:])
+q = torch.randn(16, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+k, v = (torch.randn(kv_heads, 1040, head_dim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+packed = torch.full(((16 * 1040 + 7) // 8,), 255, dtype=torch.uint8, device="cuda")
+out = flashinfer.single_prefill_with_kv_cache(q, k, v, packed_custom_mask=packed, kv_layout="HND")
+torch.cuda.synchronize()
+print("flashinfer custom-mask prefill ok", tuple(out.shape))
+"""
+
+
+def start_flashinfer_build(log_path: Path) -> subprocess.Popen:
+    """FlashInfer JIT-compiles its custom-mask prefill on first use (no AOT cache is installed):
+    build it in the background (same dtypes and head_dim); the in-process call then loads it."""
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # this env's ninja
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    shape = [str(QWEN3_8B[k]) for k in ("num_attention_heads", "num_key_value_heads", "head_dim")]
+    with open(log_path, "w") as out:
+        return subprocess.Popen([sys.executable, "-c", FLASHINFER_BUILD, *shape], stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_flashinfer(proc: subprocess.Popen, timeout_s: float, kill: bool) -> str | None:
+    """None once the background build has worked, else why not (the build is stopped if `kill`)."""
+    t0 = time.monotonic()
+    try:
+        code = proc.wait(timeout=max(timeout_s, 0.1))
+    except subprocess.TimeoutExpired:
+        if kill:
+            proc.kill()
+            proc.wait()
+        log(f"FlashInfer build still running after {time.monotonic() - t0:.0f}s more{'; stopped' if kill else ''}")
+        return "FlashInfer JIT build did not finish in time"
+    log(f"FlashInfer build exited {code} (waited {time.monotonic() - t0:.1f}s)")
+    return None if code == 0 else "FlashInfer build failed (see flashinfer_warmup.log)"
+
+
+def build_models(dry_run: bool, device: torch.device, dtype: torch.dtype) -> tuple:
+    """(config, target, head): a Qwen3 target (8B shape, or toy) and a JetFlow head shaped for it,
+    built on `meta`, materialized on `device` with random weights, the head bound to the target."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from jetflow_sglang.head import JetFlowConfig, JetFlowHead
+
+    config = Qwen3Config(**(TOY if dry_run else QWEN3_8B), tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    with torch.device("meta"):
+        target = Qwen3ForCausalLM(config).to(dtype)
+        head = JetFlowHead(JetFlowConfig.for_target(config)).to(dtype)
+    for seed, module in enumerate((target, head)):
+        module.to_empty(device=device)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        with torch.no_grad():
+            for name, param in module.named_parameters():
+                if "norm" in name:
+                    param.fill_(1.0)
+                else:
+                    param.normal_(0.0, 0.02, generator=generator)
+    # to_empty leaves the non-persistent buffers (RoPE frequencies) uninitialized: rebuild them.
+    target.model.rotary_emb = type(target.model.rotary_emb)(config).to(device)
+    hc = head.config
+    head.inv_freq = 1.0 / hc.rope_theta ** (torch.arange(0, hc.head_dim, 2, device=device).float() / hc.head_dim)
+    target.eval().requires_grad_(False).set_attn_implementation("sdpa")
+    head.eval().requires_grad_(False)
+    head.bind_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    return config, target, head
+
+
+class Verifier:
+    """Target forward of tree tokens after a prefix in the KV cache, capturing the head's taps
+    (as `jetflow_sglang.target.Target.forward`, with the mask on the device); `reset(prefix)`
+    cuts the cache back to the prefix after each verify."""
+
+    PACKED = "jetflow_packed_mask"
+
+    def __init__(self, model: nn.Module, tap_layers: list[int]) -> None:
+        from transformers import AttentionInterface, DynamicCache
+
+        self.model, self.taps, self.captured = model, tap_layers, {}
+        for i in tap_layers:
+            model.model.layers[i].register_forward_hook(
+                lambda _m, _i, out, i=i: self.captured.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+        self.cache = DynamicCache(config=model.config)
+        self.packed: Tensor | None = None  # the current tree's packed mask (FlashInfer layout)
+        AttentionInterface.register(self.PACKED, self._packed_attention)
+
+    def use(self, impl: str) -> None:
+        self.model.set_attn_implementation("sdpa" if impl == "hf_sdpa_4d" else self.PACKED)
+
+    def _packed_attention(self, module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None, **_):
+        """HF attention function over the tree's packed custom mask (the 4D mask is ignored)."""
+        if query.is_cuda:
+            import flashinfer
+
+            out = flashinfer.single_prefill_with_kv_cache(
+                query[0].transpose(0, 1).contiguous(), key[0].contiguous(), value[0].contiguous(),
+                packed_custom_mask=self.packed, kv_layout="HND", sm_scale=scaling)
+            return out[None], None
+        n, kv_len = query.shape[2], key.shape[2]
+        bits = (self.packed[:, None].long() >> torch.arange(8, device=query.device)) & 1  # little-endian bytes
+        mask = bits.flatten()[: n * kv_len].view(n, kv_len).bool()
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+
+    def forward(self, tokens: Tensor, positions: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        self.captured.clear()
+        out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, past_key_values=self.cache,
+                         use_cache=True)
+        return out.logits, torch.cat([self.captured[i] for i in self.taps], -1)
+
+    def reset(self, length: int = 0) -> None:
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+
+
+def additive_mask(ancestors: Tensor, prefix: int, dtype: torch.dtype) -> Tensor:
+    """[1, 1, N, prefix + N] additive mask: the whole prefix, then the tree's ancestor mask."""
+    visible = torch.cat([ancestors.new_ones(*ancestors.shape[:2], prefix), ancestors], -1)[:, None]
+    blocked = torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype, device=ancestors.device)
+    return blocked.masked_fill(visible, 0.0)
+
+
+def follow_picks(tree) -> Tensor:
+    """The target's token at every node: its first child's token, so acceptance walks deep."""
+    batch, budget = tree.tokens.shape
+    node_index = torch.arange(1, budget, device=tree.tokens.device).expand(batch, -1)
+    parents = tree.parents[:, 1:].clamp(min=0)
+    first_child = torch.full_like(tree.tokens, budget).scatter_reduce(1, parents, node_index, "amin")
+    return torch.where(first_child < budget, tree.tokens.gather(1, first_child.clamp(max=budget - 1)), 0)
+
+
+@dataclass
+class Setup:
+    """What the timed rows share: the models, the prefix in the cache, one draft and its trees."""
+
+    verifier: Verifier
+    vocab: int
+    prefix: int
+    dtype: torch.dtype
+    anchor: Tensor  # [1] the last prefix token
+    prefix_lens: Tensor  # [1]
+    topk: tuple  # per-depth top-k (log-probs, tokens) of the head's draft, [1, D, WIDTH] each
+    max_depth: int
+    trees: dict = field(default_factory=dict)  # N -> DraftTree (Triton build)
+    masks: dict = field(default_factory=dict)  # N -> TreeMasks (Triton masks)
+
+
+def verify_rows(bench: Bench, s: Setup, impl: str, skip: str | None = None) -> None:
+    s.verifier.use(impl)
+    for n, tree in s.trees.items():
+        mask = additive_mask(s.masks[n].ancestors, s.prefix, s.dtype)  # built once per tree, outside the timing
+        s.verifier.packed = s.masks[n].packed_mask
+        bench.row("verify", impl, n, lambda: s.verifier.forward(tree.tokens, s.masks[n].positions, mask),  # noqa: B023
+                  after=lambda: s.verifier.reset(s.prefix), skip=skip)
+
+
+def kernel_rows(bench: Bench, s: Setup, n: int) -> None:
+    """Each kernel at budget N and its torch reference (twice the runs: they are short)."""
+    import jetflow_kernels as jk
+    from jetflow_kernels.tree_masks import tree_masks_reference
+
+    from jetflow_sglang.accept import accept_tree
+
+    tree, device, depth = s.trees[n], s.anchor.device, s.max_depth
+    picks = follow_picks(tree)
+    logits = torch.randn(1, n, s.vocab, device=device)
+    logits.scatter_add_(2, picks[..., None], torch.full((1, n, 1), 30.0, device=device))  # sampling walks deep too
+    params = [torch.tensor([v], device=device) for v in SAMPLING]
+    sampling = (tree, logits, torch.rand(1, n, device=device), *params, depth)
+    ops = {
+        "tree_build": (lambda: jk.build_tree_from_topk(s.anchor, *s.topk, n),
+                       lambda: jk.build_tree_reference(s.anchor, *s.topk, n)),
+        "tree_masks": (lambda: jk.tree_masks(tree.parents, tree.depths, s.prefix_lens),
+                       lambda: tree_masks_reference(tree.parents, tree.depths, s.prefix_lens)),
+        "accept_greedy": (lambda: jk.accept_greedy(tree, picks, depth), lambda: accept_tree(tree, picks, depth)),
+        "accept_sampling": (lambda: jk.accept_sampling(*sampling), lambda: jk.accept_sampling_reference(*sampling)),
+    }
+    accepted = int(accept_tree(tree, picks, depth).num_accepted[0])
+    for op, (kernel, reference) in ops.items():
+        bench.row(op, "kernel", n, kernel, iters=bench.iters * 2, accepted=accepted)
+        bench.row(op, "reference", n, reference, iters=bench.iters * 2, accepted=accepted)
+
+
+def compare_verify(s: Setup, n: int) -> dict:
+    """Logits of one verify with the packed mask against the 4D-mask SDPA run."""
+    logits = []
+    for impl in ("hf_sdpa_4d", "packed_mask"):
+        s.verifier.use(impl)
+        s.verifier.packed = s.masks[n].packed_mask
+        mask = additive_mask(s.masks[n].ancestors, s.prefix, s.dtype)
+        logits.append(s.verifier.forward(s.trees[n].tokens, s.masks[n].positions, mask)[0].float())
+        s.verifier.reset(s.prefix)
+    diff = float((logits[0] - logits[1]).abs().max())
+    agree = float((logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean())
+    log(f"packed vs 4D mask at N={n}: max |logit diff| {diff:.3g}, argmax agreement {agree:.3f}")
+    return {"n": n, "status": "ok", "max_abs_logit_diff": diff, "argmax_agreement": agree,
+            "logit_scale": float(logits[0].abs().max())}
+
+
+# --------------------------------------------------------------------------- main
+
+
+def measure(args: argparse.Namespace, bench: Bench, report: dict, dtype: torch.dtype, fi_build: subprocess.Popen | None
+            ) -> None:
+    """Steps (2) and (3): build the target and head, then time every row."""
+    import jetflow_kernels as jk
+    from jetflow_kernels._dispatch import interpreting
+
+    if interpreting():  # TRITON_INTERPRET=1: the Triton kernels on CPU tensors too (slow)
+        report["kernel_backend"] = "triton interpreter"
+    device, prefix, t0 = bench.device, report["prefix"], time.monotonic()
+    torch.manual_seed(0)
+    config, target, head = build_models(args.dry_run, device, dtype)
+    head_params = round(sum(p.numel() for p in head.parameters()) / 1e6, 1)
+    report["head"] = {"layers": head.config.num_layers, "block_size": head.config.block_size,
+                      "taps": head.config.target_layer_ids, "params_m": head_params}
+    log(f"built target ({sum(p.numel() for p in target.parameters()) / 1e9:.2f}B params) and head ({head_params}M) "
+        f"on {device} in {time.monotonic() - t0:.1f}s")
+    verifier = Verifier(target, head.config.target_layer_ids)
+    if fi_build is not None:  # clean timings: let the JIT build finish first, within half the budget
+        still_running = wait_flashinfer(fi_build, args.deadline_s / 2 - bench.elapsed(), kill=False)
+        report["flashinfer_build_overlapped_timings"] = still_running is not None
+
+    # Prefill of the prefix (each run from an empty cache), then the cache every verify extends.
+    prompt = torch.randint(0, config.vocab_size, (1, prefix), device=device)
+    positions = torch.arange(prefix, device=device)[None]
+    bench.row("prefill", "hf_sdpa", prefix, lambda: verifier.forward(prompt, positions),
+              iters=max(3, bench.iters // 6), after=verifier.reset)
+    verifier.reset()
+    features = verifier.forward(prompt, positions)[1]
+
+    # Head: context K/V of the prefix, the draft pass, and the context extension of one round.
+    context = head.context_kv(features, positions)
+    anchor, prefix_lens = prompt[:, -1], torch.tensor([prefix], device=device)
+    bench.row("head", "draft", head.config.block_size, lambda: head.draft(anchor, prefix_lens, context))
+    bench.row("head", "context_kv", 8, lambda: head.context_kv(features[:, :8], positions[:, :8]))
+    topk = tuple(head.draft(anchor, prefix_lens, context).float().log_softmax(-1).topk(WIDTH, dim=-1))
+    s = Setup(verifier, config.vocab_size, prefix, dtype, anchor, prefix_lens, topk, head.config.block_size - 1)
+    for n in report["budgets"]:
+        s.trees[n] = tree = jk.build_tree_from_topk(anchor, *topk, n)
+        s.masks[n] = jk.tree_masks(tree.parents, tree.depths, prefix_lens)
+    report["tree_depths"] = {n: int(t.depths.max()) for n, t in s.trees.items()}
+
+    verify_rows(bench, s, "hf_sdpa_4d")
+    for n in report["budgets"]:
+        kernel_rows(bench, s, n)
+    # The packed custom mask (FlashInfer on CUDA) last: it may still wait for its build.
+    skip = "--skip-flashinfer" if args.skip_flashinfer else None
+    if fi_build is not None:
+        skip = wait_flashinfer(fi_build, bench.deadline - time.monotonic() - 60, kill=True)
+    verify_rows(bench, s, "packed_mask", skip)
+    n = min(report["budgets"], key=lambda b: abs(b - 16))
+    skip = skip or ("deadline" if time.monotonic() > bench.deadline else None)
+    report["packed_vs_4d"] = {"n": n, "status": f"skipped: {skip}"} if skip else compare_verify(s, n)
+
+
+def run(args: argparse.Namespace) -> int:
+    cuda = not args.dry_run
+    if cuda and not torch.cuda.is_available():
+        log("no CUDA device (use --dry-run on CPU)")
+        return 2
+    args.deadline_s = args.deadline_s or (420.0 if cuda else 50.0)
+    device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
+    bench = Bench(device, args.iters or (30 if cuda else 3), warmup=3 if cuda else 1, deadline_s=args.deadline_s)
+    out_path = Path(args.out)
+    report: dict = {
+        "dry_run": args.dry_run, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"), "dtype": str(dtype).removeprefix("torch."),
+        "versions": {pkg: installed_version(pkg) for pkg in ("torch", "transformers", "triton", "flashinfer-python")},
+        "prefix": args.prefix or (1024 if cuda else 64), "budgets": [int(n) for n in args.budgets.split(",")],
+        "target_config": QWEN3_8B if cuda else TOY, "iters": bench.iters, "deadline_s": args.deadline_s,
+        "kernel_backend": "triton" if cuda else "torch fallback", "kernel_tests": {}, "packed_vs_4d": {},
+    }
+    fi_build = None
+    if cuda and not args.skip_flashinfer:
+        fi_build = start_flashinfer_build(out_path.with_name("flashinfer_warmup.log"))
+    if args.skip_tests:
+        report["kernel_tests"] = {"status": "skipped", "summary": "--skip-tests"}
+    else:  # (1)
+        report["kernel_tests"] = run_kernel_tests(args.dry_run, timeout_s=min(240.0, args.deadline_s / 2))
+    try:  # (2), (3)
+        measure(args, bench, report, dtype, fi_build)
+    except Exception:  # noqa: BLE001 -- still write what was measured
+        report["fatal"] = traceback.format_exc()
+        log(f"stopped early:\n{report['fatal']}")
+    finally:
+        if fi_build is not None and fi_build.poll() is None:
+            fi_build.kill()
+
+    # (4) JSON, then the table last.
+    report["rows"] = [asdict(r) for r in bench.rows]
+    report["wall_s"] = round(bench.elapsed(), 1)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(report, indent=2) + "\n")
+    log(f"wrote {out_path}")
+    print(table(report))
+    failed = "fatal" in report or report["kernel_tests"]["status"] in ("failed", "timeout")
+    return 1 if failed or any(r.status.startswith("error") for r in bench.rows) else 0
+
+
+def table(report: dict) -> str:
+    rows = {(r["name"], r["impl"], r["n"]): r for r in report["rows"]}
+
+    def ms(key: tuple) -> str:
+        row = rows.get(key)
+        if row is None or row["median_ms"] is None:
+            return "ERR" if row is not None and row["status"].startswith("error") else "skip"
+        value = row["median_ms"]
+        return f"{value:.3f}" if value < 10 else f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+    budgets, prefix, dry = report["budgets"], report["prefix"], report["dry_run"]
+    columns = "".join(f"{f'N={n}':>16}" for n in budgets)
+    lines = [
+        (f"JetFlow device check {report['date']}: {report['device']}, {report['dtype']}, median ms "
+         f"({'perf_counter, DRY RUN at toy size' if dry else 'CUDA events'})"),
+        f"kernel tests: {report['kernel_tests'].get('status')} ({report['kernel_tests'].get('summary')})",
+        f"{f'target verify, prefix {prefix}':26s}{columns}",
+    ]
+    packed = "packed mask, CPU SDPA" if dry else "FlashInfer packed mask"
+    for impl, label in (("hf_sdpa_4d", "HF SDPA, 4D mask"), ("packed_mask", packed)):
+        lines.append(f"  {label:24s}" + "".join(f"{ms(('verify', impl, n)):>16}" for n in budgets))
+    lines.append(f"{'kernel / torch reference':26s}{columns}")
+    for op in KERNEL_OPS:
+        cells = (f"{ms((op, 'kernel', n))} / {ms((op, 'reference', n))}" for n in budgets)
+        lines.append(f"  {op:24s}" + "".join(f"{cell:>16}" for cell in cells))
+    block = report.get("head", {}).get("block_size", 16)
+    lines.append(f"head draft pass (block {block}, context {prefix}) {ms(('head', 'draft', block))};  "
+                 f"head context_kv (8 tokens) {ms(('head', 'context_kv', 8))};  "
+                 f"target prefill ({prefix}) {ms(('prefill', 'hf_sdpa', prefix))}")
+    check = report["packed_vs_4d"]
+    if check.get("status") == "ok":
+        lines.append(f"packed vs 4D mask logits at N={check['n']}: max |diff| {check['max_abs_logit_diff']:.3g} "
+                     f"(logit scale {check['logit_scale']:.3g}), argmax agreement {check['argmax_agreement']:.3f}")
+    not_ok = [f"{r['name']}/{r['impl']}/N={r['n']}: {r['status']}" for r in report["rows"] if r["status"] != "ok"]
+    lines += [f"not timed: {line}" for line in not_ok[:6]] + [f"... {len(not_ok) - 6} more"] * (len(not_ok) > 6)
+    if "fatal" in report:
+        lines.append("STOPPED EARLY: " + report["fatal"].strip().splitlines()[-1])
+    lines.append(f"kernels: {report['kernel_backend']}; wall {report['wall_s']}s")
+    return "\n".join(lines)
+
+
+def installed_version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def use_checkout() -> None:
+    """jetflow_sglang and jetflow_kernels (kernels/, via a symlink) from this checkout, installed
+    or not, here and in the pytest run."""
+    alias = Path(tempfile.mkdtemp(prefix="jetflow_device_check_"))
+    atexit.register(shutil.rmtree, alias, True)
+    (alias / "jetflow_kernels").symlink_to(ROOT / "kernels", target_is_directory=True)
+    paths = [str(ROOT), str(alias)]
+    sys.path[:0] = paths
+    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="every step at toy size on CPU")
+    parser.add_argument("--out", default="out/device_check.json", help="JSON report (default out/device_check.json)")
+    parser.add_argument("--budgets", default="1,16,64,128,256", help="tree budgets N (default 1,16,64,128,256)")
+    parser.add_argument("--prefix", type=int, default=0, help="tokens cached before the tree (default 1024; dry run 64)")
+    parser.add_argument("--iters", type=int, default=0, help="timed runs per row (default 30; dry run 3; kernels 2x)")
+    parser.add_argument("--deadline-s", type=float, default=0.0, help="start no row later (default 420; dry run 50)")
+    parser.add_argument("--skip-tests", action="store_true", help="do not run tests/test_kernels.py")
+    parser.add_argument("--skip-flashinfer", action="store_true", help="skip the FlashInfer packed-mask rows")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    use_checkout()
+    with torch.inference_mode():
+        sys.exit(run(parse_args()))

@@ -1,0 +1,46 @@
+"""benchmarks/device_check.sh --dry-run: every step of the GPU device check at toy size on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "device_check.sh"
+BUDGETS = [1, 16, 64, 128, 256]
+KERNEL_OPS = ["tree_build", "tree_masks", "accept_greedy", "accept_sampling"]
+
+
+def test_device_check_dry_run(tmp_path: Path) -> None:
+    out = tmp_path / "device_check.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run(
+        [str(SCRIPT), "--dry-run", "--out", str(out)], check=False, capture_output=True, text=True, timeout=120, env=env
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    report = json.loads(out.read_text())
+    assert report["dry_run"] and report["budgets"] == BUDGETS and "fatal" not in report
+    assert report["kernel_tests"]["status"] == "passed", report["kernel_tests"]
+
+    rows = {(r["name"], r["impl"], r["n"]): r for r in report["rows"]}
+    expected = [("prefill", "hf_sdpa", report["prefix"]), ("head", "draft", 16), ("head", "context_kv", 8)]
+    expected += [("verify", impl, n) for impl in ("hf_sdpa_4d", "packed_mask") for n in BUDGETS]
+    expected += [(op, impl, n) for op in KERNEL_OPS for impl in ("kernel", "reference") for n in BUDGETS]
+    assert sorted(rows) == sorted(expected)
+    for key in expected:
+        row = rows[key]
+        assert row["status"] == "ok" and row["median_ms"] > 0 and row["iters"] >= 3, (key, row)
+
+    # The packed (FlashInfer-layout) mask gives the 4D-mask logits: the mask layout is right.
+    check = report["packed_vs_4d"]
+    assert check["status"] == "ok" and check["max_abs_logit_diff"] < 1e-4 and check["argmax_agreement"] == 1.0
+
+    # The table comes last on stdout; progress goes to stderr.
+    table = result.stdout.strip().splitlines()
+    assert table[0].startswith("JetFlow device check") and "DRY RUN" in table[0]
+    assert table[-1].startswith("kernels: torch fallback")
+    assert any(line.strip().startswith("HF SDPA, 4D mask") for line in table)
+    assert all(any(line.strip().startswith(op) for line in table) for op in KERNEL_OPS)
+    assert "verify" in result.stderr
