@@ -112,7 +112,6 @@ def build_or_load(target, target_dir: Path, data_dir: Path, examples: list[dict]
 
     key = cache_key(target_dir, target.tap_layers, max_seq_len, data_dir)
     cache = Path(data_dir) / f"features-{key}"
-    cache.mkdir(exist_ok=True)
     rows = [
         {"ids": (e["prompt_ids"] + e["response_ids"])[:max_seq_len], "prompt_len": len(e["prompt_ids"])}
         for e in examples
@@ -120,6 +119,7 @@ def build_or_load(target, target_dir: Path, data_dir: Path, examples: list[dict]
     ]
     if not rows:
         raise JetFlowError(f"{data_dir} holds no examples with a response")
+    cache.mkdir(exist_ok=True)
     rows.sort(key=lambda r: len(r["ids"]))
     parts = [rows[i : i + EXAMPLES_PER_PART] for i in range(0, len(rows), EXAMPLES_PER_PART)]
     todo = [i for i in range(len(parts)) if not (cache / f"part-{i:05d}.safetensors").is_file()]

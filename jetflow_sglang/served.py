@@ -104,11 +104,14 @@ def run_bench(config: BenchConfig, echo=print) -> dict:
     echo(f"starting two SGLang servers on 127.0.0.1 (logs in {work}) ...")
     servers = {}
     try:
-        servers["ar"] = sglang_server.start(str(target), logs["ar"], dtype=config.dtype)
-        servers["jetflow"] = sglang_server.start(
-            str(target), logs["jetflow"], *sglang_server.jetflow_args(head_dir, config.budget),
-            dtype=config.dtype, env={"JETFLOW_PROFILE": "1"},
-        )  # fmt: skip
+        try:
+            servers["ar"] = sglang_server.start(str(target), logs["ar"], dtype=config.dtype)
+            servers["jetflow"] = sglang_server.start(
+                str(target), logs["jetflow"], *sglang_server.jetflow_args(head_dir, config.budget),
+                dtype=config.dtype, env={"JETFLOW_PROFILE": "1"},
+            )  # fmt: skip
+        except RuntimeError as exc:
+            raise JetFlowError(f"{str(exc).splitlines()[0]} (server logs in {work})") from None
         clients = {name: OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=3600) for name, s in servers.items()}
         model = clients["ar"].models.list().data[0].id
         warmup = Prompt(id="warmup", text="Hi", kind="chat")
@@ -148,7 +151,7 @@ def run_bench(config: BenchConfig, echo=print) -> dict:
         "ar_tokens_per_s": round(tokens / ar_time, 3),
         "jetflow_tokens_per_s": round(tokens / spec_time, 3),
         "speedup": round(ar_time / spec_time, 3),
-        "median_tau": statistics.median(r["tau"] for r in rows if r["tau"] is not None) if rows else None,
+        "median_tau": statistics.median(taus) if (taus := [r["tau"] for r in rows if r["tau"] is not None]) else None,
         "all_identical": all(r["identical"] for r in rows),
     }
     report = {"config": asdict(config), "head_dir": head_dir, "summary": summary, "requests": rows,

@@ -127,13 +127,16 @@ def start(
             out.close()
     server = Server(proc, url, log)
     t0 = time.monotonic()
-    while not healthy(url):
-        if proc.poll() is not None:
-            raise RuntimeError(f"sglang server exited with {proc.returncode}:\n{server.log_tail()}")
-        if time.monotonic() - t0 > timeout_s:
-            server.stop()
-            raise RuntimeError(f"sglang server not healthy after {timeout_s:.0f}s:\n{server.log_tail()}")
-        time.sleep(1)
+    try:
+        while not healthy(url):
+            if proc.poll() is not None:
+                raise RuntimeError(f"sglang server exited with {proc.returncode}:\n{server.log_tail()}")
+            if time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"sglang server not healthy after {timeout_s:.0f}s:\n{server.log_tail()}")
+            time.sleep(1)
+    except BaseException:  # also Ctrl-C / SIGTERM while waiting: never leave a server behind
+        server.stop()
+        raise
     server.startup_s = time.monotonic() - t0
     return server
 
@@ -155,16 +158,18 @@ def run_to_exit(target: str, log: Path, *extra: str, timeout: float = 240) -> tu
 
 def serve_forever(target: str, extra: list[str], port: int, dtype: str, max_total_tokens: int) -> int:
     """`jetflow serve`: run the server in the foreground until it exits or we are interrupted."""
-    try:
-        server = start(target, None, *extra, port=port, dtype=dtype, max_total_tokens=max_total_tokens)
-    except RuntimeError as exc:
-        raise JetFlowError(str(exc).splitlines()[0]) from None
-    print(json.dumps({"url": server.url, "openai_base_url": server.url + "/v1", "pid": server.proc.pid}), flush=True)
 
     def _terminate(signum, frame):
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGTERM, _terminate)  # before the launch: a SIGTERM while starting stops it too
+    try:
+        server = start(target, None, *extra, port=port, dtype=dtype, max_total_tokens=max_total_tokens)
+    except RuntimeError as exc:
+        raise JetFlowError(str(exc).splitlines()[0]) from None
+    except KeyboardInterrupt:
+        return 0
+    print(json.dumps({"url": server.url, "openai_base_url": server.url + "/v1", "pid": server.proc.pid}), flush=True)
     try:
         return server.proc.wait()
     except KeyboardInterrupt:
