@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test clean
+.PHONY: install demo test train-default clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# Regenerate data, train the JetFlow head and the DFlash-T baseline, evaluate, ship both
+# under jetflow_sglang/heads/ (about 2 hours on 2 CPU cores; rerun to resume).
+train-default: $(STAMP)
+	$(VENV)/bin/jetflow prepare
+	$(PY) -m jetflow_sglang.recipe
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -208,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lr", type=float, default=None)
     tr.add_argument("--warmup-steps", type=int, default=None)
     tr.add_argument("--reveal", type=float, default=None, help="share of blocks that reveal a prefix of true tokens")
+    tr.add_argument("--init-from-target", action=argparse.BooleanOptionalAction, default=None,
+                    help="start the head's layers as copies of the target's last layers (default: on)")
     tr.add_argument("--checkpoint-every", type=_positive("checkpoint every"), default=None)
     tr.add_argument("--seed", type=int, default=None)
     tr.add_argument("--resume", action="store_true")
@@ -221,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--budgets", type=_budgets, default=(16, 32, 64, 128, 256))
     ev.add_argument("--max-new-tokens", type=_positive("max new tokens"), default=128)
     ev.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ev.add_argument("--refresh", action="store_true", help="re-expand each tree after a path-conditioned head pass")
     ev.add_argument("--json", action="store_true")
     ev.set_defaults(func=cmd_eval)
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from jetflow_sglang.head import JetFlowHead
+from jetflow_sglang.tree import DraftTree
 
 
 class Drafter(Protocol):
@@ -26,6 +27,11 @@ class Drafter(Protocol):
 
     def propose(self, anchor: Tensor, position: int) -> Tensor:
         """Draft logits [1, block_size - 1, V] for positions position+1.. after the anchor [1] at `position`."""
+
+
+class RefreshingDrafter(Drafter, Protocol):
+    def refresh(self, tree: DraftTree, position: int) -> Tensor:
+        """Logits [1, N, V] of the token after each tree node, given the path to it (anchor at `position`)."""
 
 
 class HeadDrafter:
@@ -68,3 +74,8 @@ class HeadDrafter:
         context = [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self._keys, self._values)]
         positions = torch.tensor([position], device=anchor.device)
         return self.head.draft(anchor, positions, context)
+
+    @torch.inference_mode()
+    def refresh(self, tree: DraftTree, position: int) -> Tensor:
+        context = [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self._keys, self._values)]
+        return self.head.refresh(tree.tokens, tree.depths + position, tree.ancestors, context)

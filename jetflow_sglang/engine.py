@@ -1,6 +1,7 @@
 """Reference engine on HF transformers: speculative generation with a draft tree, batch size 1.
 
-Per round: one drafter pass -> best-first tree -> one target forward over the tree
+Per round: one drafter pass -> best-first tree (optionally re-expanded after a
+path-conditioned refresh pass) -> one target forward over the tree
 with the ancestor mask at positions prefix+depth -> acceptance -> keep the accepted
 path's target KV (cache compacted to it) and hand its features to the drafter.
 """
@@ -17,7 +18,7 @@ from jetflow_sglang.accept import Acceptance, accept_tree, target_picks
 from jetflow_sglang.drafter import Drafter
 from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.target import Target, compact_cache
-from jetflow_sglang.tree import DraftTree, build_tree, check_budget, max_tree_nodes
+from jetflow_sglang.tree import DraftTree, build_tree, check_budget, max_tree_nodes, refreshed_tree
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def generate_ar(
 
 
 class ReferenceEngine:
-    def __init__(self, target: Target, drafter: Drafter, budget: int = 64, width: int = 7) -> None:
+    def __init__(self, target: Target, drafter: Drafter, budget: int = 64, width: int = 7, refresh: bool = False) -> None:
         try:
             check_budget(budget)
         except ValueError as exc:
@@ -112,7 +113,10 @@ class ReferenceEngine:
                 f"budget {budget} exceeds the {max_tree_nodes(depths, width)} nodes a block of "
                 f"{drafter.block_size} and width {width} can draft"
             )
+        if refresh and not hasattr(drafter, "refresh"):
+            raise JetFlowError(f"{type(drafter).__name__} has no path-conditioned refresh pass")
         self.target, self.drafter, self.budget, self.width = target, drafter, budget, width
+        self.refresh = refresh
 
     @torch.inference_mode()
     def generate(
@@ -138,6 +142,9 @@ class ReferenceEngine:
             anchor = torch.tensor([result.tokens[-1]])
             draft_logprobs = self.drafter.propose(anchor, position).float().log_softmax(-1)
             tree = build_tree(anchor, draft_logprobs, self.budget, self.width)
+            if self.refresh:  # second head pass over the tree: branch-specific children (method §3)
+                node_logprobs = self.drafter.refresh(tree, position).float().log_softmax(-1)
+                tree = refreshed_tree(tree, node_logprobs, draft_logprobs, self.width)
             prefix_visible = torch.ones(1, self.budget, position, dtype=torch.bool)
             mask = torch.cat([prefix_visible, tree.ancestors], -1)[:, None]
             logits, features = target.forward(tree.tokens, tree.positions(torch.tensor([position])), cache, mask)

@@ -28,6 +28,7 @@ class EvalConfig:
     max_new_tokens: int = 128
     width: int = 7
     dtype: str = "float32"
+    refresh: bool = False  # path-conditioned second head pass per round
 
 
 def resolve_head_spec(spec: str) -> str:
@@ -48,7 +49,10 @@ def evaluate(config: EvalConfig):
 
     target, head = load_target_and_head(config.target, resolve_head_spec(config.head), getattr(torch, config.dtype))
     prompts: list[Prompt] = load_prompts(config.prompts)[: config.limit]
-    engines = {b: ReferenceEngine(target, HeadDrafter(head), budget=b, width=config.width) for b in config.budgets}
+    engines = {
+        b: ReferenceEngine(target, HeadDrafter(head), budget=b, width=config.width, refresh=config.refresh)
+        for b in config.budgets
+    }
     per_budget = {b: {"committed": 0, "rounds": 0, "tps": [], "speedup": [], "identical": True} for b in config.budgets}
     ar_tps = []
     for prompt in prompts:
@@ -69,6 +73,7 @@ def evaluate(config: EvalConfig):
             "head": config.head,
             "prompts": config.prompts,
             "budget": budget,
+            "refresh": config.refresh,
             "tau": round(stats["committed"] / stats["rounds"], 3) if stats["rounds"] else 1.0,
             "tokens_per_s": round(statistics.median(stats["tps"]), 2),
             "ar_tokens_per_s": round(statistics.median(ar_tps), 2),

@@ -295,6 +295,36 @@ class JetFlowHead(nn.Module):
         hidden = self.forward_block(block_tokens, positions, context, mask)
         return self.logits(hidden[:, 1:])
 
+    def refresh(
+        self,
+        tree_tokens: Tensor,
+        tree_positions: Tensor,
+        ancestors: Tensor,
+        context: list[tuple[Tensor, Tensor]],
+        context_valid: Tensor | None = None,
+    ) -> Tensor:
+        """Path-conditioned draft logits [b, N, V]: row i is q(next token | context, path to node i).
+
+        One pass over the N tree nodes as real tokens plus one MASK child per node: node i
+        sees its ancestors (the tree-causal mask), its MASK child sees that path and itself,
+        which is a block with a revealed prefix, as `reveal` training shows the head.
+        tree_tokens, tree_positions: [b, N]; ancestors: [b, N, N] bool (node, ancestor-or-self)."""
+        b, n = tree_tokens.shape
+        device = tree_tokens.device
+        masks = torch.full_like(tree_tokens, self.config.mask_token_id)
+        tokens = torch.cat([tree_tokens, masks], 1)
+        positions = torch.cat([tree_positions, tree_positions + 1], 1)
+        eye = torch.eye(n, dtype=torch.bool, device=device).expand(b, -1, -1)
+        block_mask = torch.cat(
+            [torch.cat([ancestors, torch.zeros_like(ancestors)], 2), torch.cat([ancestors, eye], 2)], 1
+        )  # [b, 2N, 2N]
+        context_len = context[0][0].shape[2]
+        if context_valid is None:
+            context_valid = torch.ones(b, context_len, dtype=torch.bool, device=device)
+        mask = torch.cat([context_valid[:, None, :].expand(-1, 2 * n, -1), block_mask], -1)[:, None]
+        hidden = self.forward_block(tokens, positions, context, mask)
+        return self.logits(hidden[:, n:])
+
     # -- checkpoints ----------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)

@@ -51,6 +51,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     kl_temperature: float = 1.0
     reveal: float = 0.0  # probability that a block reveals a random prefix of true tokens
+    init_from_target: bool = True  # start the head's layers as copies of the target's last layers
     checkpoint_every: int = 200
     seed: int = 0
     resume: bool = False
@@ -188,6 +189,26 @@ class BlockDrafter(torch.nn.Module):
         return head_forward_blocks(self.head, *args)
 
 
+@torch.no_grad()
+def init_from_target(head: JetFlowHead, target_model) -> None:
+    """Head layers start as the target's last layers (the ones that read the last tap's
+    output), the final norm as the target's, and `fc` as a pass-through of the last tap:
+    at step 0 the context K/V the first head layer sees are the target's own."""
+    layers = target_model.model.layers[-head.config.num_layers :]
+    for head_layer, layer in zip(head.layers, layers):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(head_layer, name).weight.copy_(getattr(layer.self_attn, name).weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(head_layer, name).weight.copy_(getattr(layer.mlp, name).weight)
+        head_layer.input_layernorm.weight.copy_(layer.input_layernorm.weight)
+        head_layer.post_attention_layernorm.weight.copy_(layer.post_attention_layernorm.weight)
+    head.norm.weight.copy_(target_model.model.norm.weight)
+    hidden = head.config.target_hidden_size
+    head.fc.weight.zero_()
+    head.fc.weight[:, -hidden:] = torch.eye(hidden)
+    head.hidden_norm.weight.copy_(layers[0].input_layernorm.weight)
+
+
 def _distributed() -> tuple[int, int, torch.device]:
     """(rank, world size, device); starts the process group under torchrun."""
     import os
@@ -234,9 +255,12 @@ def train(config: TrainConfig, log=print) -> dict:
     if rank != 0:
         store = build_or_load(target, target_dir, Path(config.data), examples, config.max_seq_len, log=lambda *_: None)
     embedding, lm_head = target.embedding.to(device), target.lm_head.to(device)
-    del target  # only its embedding and lm_head are needed from here on
     torch.manual_seed(config.seed)
-    head = JetFlowHead(head_config).init_weights(config.seed).to(device).bind_target(embedding, lm_head)
+    head = JetFlowHead(head_config).init_weights(config.seed)
+    if config.init_from_target and not config.resume:
+        init_from_target(head, target.model)
+    head = head.to(device).bind_target(embedding, lm_head)
+    del target  # only its embedding and lm_head are needed from here on
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     step, history = 0, []
     if config.resume:

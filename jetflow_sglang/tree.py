@@ -13,6 +13,8 @@ over the batch and the nodes.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -125,6 +127,62 @@ def build_tree(anchor_tokens: Tensor, draft_logprobs: Tensor, budget: int, width
         depths=tree_depths,
         scores=scores.gather(1, chosen),
         ancestors=ancestor_mask(tree_parents, num_depths),
+    )
+
+
+def refreshed_tree(tree: DraftTree, node_logprobs: Tensor, draft_logprobs: Tensor, width: int = 7) -> DraftTree:
+    """Best-first re-expansion of a tree with path-conditioned log-probs (the refresh pass).
+
+    node_logprobs: [b, N, V], row i = log q(next | path to node i of `tree`);
+    draft_logprobs: [b, D, V], the one-pass per-depth log-probs, used for the children of
+    nodes the first tree did not hold. Same budget; a node's score is its path's sum, so
+    scores never rise along a path and the heap pops parents before children. Ties go to
+    the shallower node, then to the earlier push: deterministic.
+    """
+    batch, budget = tree.tokens.shape
+    num_depths = draft_logprobs.shape[1]
+    width = min(width, draft_logprobs.shape[-1])
+    node_top = node_logprobs.float().topk(width, dim=-1)
+    depth_top = draft_logprobs.float().topk(width, dim=-1)
+    rows = []
+    for r in range(batch):
+        first_tokens, first_parents = tree.tokens[r].tolist(), tree.parents[r].tolist()
+        first_child = {(p, t): i for i, (p, t) in enumerate(zip(first_parents, first_tokens)) if i > 0}
+        node_lp, node_tok = node_top.values[r].tolist(), node_top.indices[r].tolist()
+        depth_lp, depth_tok = depth_top.values[r].tolist(), depth_top.indices[r].tolist()
+        tokens, parents, depths, scores, origin = [first_tokens[0]], [-1], [0], [0.0], [0]
+        heap: list[tuple[float, int, int, int, int]] = []
+        push_order = itertools.count()
+
+        def push_children(node: int) -> None:
+            depth = depths[node]
+            if depth >= num_depths:
+                return
+            first = origin[node]
+            lps, toks = (node_lp[first], node_tok[first]) if first >= 0 else (depth_lp[depth], depth_tok[depth])
+            for lp, token in zip(lps, toks):
+                heapq.heappush(heap, (-(scores[node] + lp), depth + 1, next(push_order), node, token))
+
+        push_children(0)
+        while len(tokens) < budget and heap:
+            neg_score, depth, _, parent, token = heapq.heappop(heap)
+            first_parent = origin[parent]
+            origin.append(first_child.get((first_parent, token), -1) if first_parent >= 0 else -1)
+            tokens.append(token)
+            parents.append(parent)
+            depths.append(depth)
+            scores.append(-neg_score)
+            push_children(len(tokens) - 1)
+        rows.append((tokens, parents, depths, scores))
+    device = tree.tokens.device
+    as_tensor = lambda i, dtype: torch.tensor([row[i] for row in rows], dtype=dtype, device=device)  # noqa: E731
+    parents = as_tensor(1, torch.long)
+    return DraftTree(
+        tokens=as_tensor(0, torch.long),
+        parents=parents,
+        depths=as_tensor(2, torch.long),
+        scores=as_tensor(3, torch.float32),
+        ancestors=ancestor_mask(parents, num_depths),
     )
 
 

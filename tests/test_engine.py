@@ -43,6 +43,26 @@ def test_random_head_is_lossless(target, random_head, prompt_ids, greedy_runs, b
         assert engine.generate(ids, RANDOM_HEAD_NEW_TOKENS).tokens == reference[:RANDOM_HEAD_NEW_TOKENS]
 
 
+@pytest.mark.parametrize("refresh", [False, True], ids=["one-pass", "refresh"])
+def test_shipped_head_is_lossless(target, prompt_ids, greedy_runs, refresh):
+    """The trained default head (the same target taps as the random one) accepts real
+    drafts, in one pass and with the path-conditioned refresh: still token for token AR."""
+    from jetflow_sglang.assets import SHIPPED_HEADS, DEFAULT_TARGET_NAME
+    from jetflow_sglang.head import JetFlowHead
+
+    head = JetFlowHead.load(SHIPPED_HEADS / DEFAULT_TARGET_NAME).float().eval().requires_grad_(False)
+    head.bind_target(target.embedding, target.lm_head)
+    assert head.config.target_layer_ids == target.tap_layers
+    committed = rounds = 0
+    for budget in (16, 64):
+        engine = ReferenceEngine(target, HeadDrafter(head), budget=budget, refresh=refresh)
+        for ids, (reference, _) in zip(prompt_ids, greedy_runs):
+            result = engine.generate(ids, NEW_TOKENS)
+            assert result.tokens == reference, (budget, ids)
+            committed, rounds = committed + len(result.tokens), rounds + result.rounds
+    assert committed / rounds > 1.5  # a trained head gets drafts accepted: long paths are exercised
+
+
 def _longest_true_path(tree, truth: list[int]) -> int:
     """How deep the true continuation runs through the tree (a plain walk over parents)."""
     tokens, parents = tree.tokens[0].tolist(), tree.parents[0].tolist()

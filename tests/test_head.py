@@ -121,3 +121,30 @@ def test_load_refuses_pickle_and_mismatched_weights(tmp_path):
     (head_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(JetFlowError, match="do not match"):
         JetFlowHead.load(head_dir)
+
+
+def test_refresh_rows_equal_blocks_with_the_path_revealed():
+    """Refresh row i is what the head gives, in training's reveal form, for the block
+    [anchor, path tokens to node i, MASK]: the tree-causal mask shows each node only its path."""
+    from jetflow_sglang.tree import build_tree
+
+    head = small_head(causal=True, seed=3)
+    features = torch.randn(1, 7, 3 * 32, generator=torch.Generator().manual_seed(4))
+    context = head.context_kv(features, torch.arange(7)[None])
+    anchor, position = torch.tensor([11]), 7
+    draft_logprobs = head.draft(anchor, torch.tensor([position]), context).float().log_softmax(-1)
+    tree = build_tree(anchor, draft_logprobs, budget=12, width=3)
+    refreshed = head.refresh(tree.tokens, tree.depths + position, tree.ancestors, context)
+    assert refreshed.shape == (1, 12, 50)
+    # The root's refresh row is the one-pass depth-1 draft (same inputs under a causal mask).
+    torch.testing.assert_close(refreshed[0, 0], head.draft(anchor, torch.tensor([position]), context)[0, 0])
+    parents = tree.parents[0].tolist()
+    for i in range(12):
+        path = [i]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        block = torch.tensor([[int(tree.tokens[0, j]) for j in reversed(path)] + [head.config.mask_token_id]])
+        length = block.shape[1]
+        mask = torch.cat([torch.ones(1, length, 7, dtype=torch.bool), head.block_mask(length, block.device)[None]], -1)
+        hidden = head.forward_block(block, position + torch.arange(length)[None], context, mask[:, None])
+        torch.testing.assert_close(refreshed[0, i], head.logits(hidden[:, -1])[0], rtol=1e-4, atol=1e-5)

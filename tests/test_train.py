@@ -125,3 +125,55 @@ def test_bad_data_and_mismatched_resume_are_one_line_errors(data_dir, tmp_path, 
     _expect_error(capsys, ["train", "--data", str(data_dir), "--out", str(head), "--steps", "4", *TRAIN_ARGS], "already holds")
     assert {p.name: p.read_bytes() for p in head.iterdir()} == before
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
+
+
+@pytest.mark.slow
+def test_recipe_at_toy_size_trains_evaluates_and_ships_both_heads(data_dir, tmp_path, capsys):
+    """`make train-default`'s recipe end to end (regenerate -> both heads -> eval -> model
+    cards), at toy size; a rerun resumes from its record and redoes nothing."""
+    from jetflow_sglang.head import JetFlowHead
+    from jetflow_sglang.recipe import SHIPPED_NAMES, RecipeConfig, run_recipe
+
+    config = RecipeConfig(
+        work=str(tmp_path / "work"), data=str(data_dir), prompts=6, max_new_tokens=32, regen_backend="hf",
+        steps=2, batch_tokens=256, warmup_steps=1, layers=1, eval_limits=(1, 1), eval_max_new_tokens=8,
+        eval_dtype="float32", budgets="4,8", ship_to=str(tmp_path / "heads"),
+    )  # fmt: skip
+    report = run_recipe(config)
+    assert set(report["stage_seconds"]) == {
+        "regenerate", "train-jetflow", "train-dflash-t",
+        *(f"eval-{h}-{p}" for h in ("jetflow", "dflash-t") for p in ("humaneval", "sharegpt-heldout")),
+    }  # fmt: skip
+    assert report["data"]["examples"] >= 1 and report["data"]["response_tokens"] > 0
+    for name, shipped in SHIPPED_NAMES.items():
+        folder = tmp_path / "heads" / shipped
+        assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json", "eval.json", "loss.png", "model.safetensors"]
+        assert JetFlowHead.load(folder).config.causal is (name == "jetflow")
+        card = (folder / "README.md").read_text()
+        assert "| prompts | N=4 | N=8 |" in card and "identical to AR | yes | yes |" in card
+        rows = json.loads((folder / "eval.json").read_text())
+        assert [r["budget"] for r in rows["humaneval"]] == [4, 8] and all(r["identical"] for r in rows["humaneval"])
+    capsys.readouterr()
+    again = run_recipe(config)
+    assert again["stage_seconds"] == report["stage_seconds"]
+    assert capsys.readouterr().out.count("done earlier") == len(report["stage_seconds"])
+
+
+def test_init_from_target_starts_from_the_targets_last_layers(prepared):
+    from jetflow_sglang.head import JetFlowConfig, JetFlowHead
+    from jetflow_sglang.target import Target
+    from jetflow_sglang.train import init_from_target
+
+    target = Target(prepared["target"], dtype=torch.float32)
+    head = JetFlowHead(JetFlowConfig.for_target(target.config, num_layers=2)).init_weights(0)
+    init_from_target(head, target.model)
+    last = target.model.model.layers[-2:]
+    for head_layer, layer in zip(head.layers, last):
+        assert torch.equal(head_layer.q_proj.weight, layer.self_attn.q_proj.weight)
+        assert torch.equal(head_layer.down_proj.weight, layer.mlp.down_proj.weight)
+        assert torch.equal(head_layer.post_attention_layernorm.weight, layer.post_attention_layernorm.weight)
+    assert torch.equal(head.norm.weight, target.model.model.norm.weight)
+    # The projected context of the last tap is that tap's hidden state, normed as the first copied layer would.
+    features = torch.randn(1, 3, len(head.config.target_layer_ids) * 576)
+    expected = last[0].input_layernorm(features[..., -576:])
+    torch.testing.assert_close(head.project_features(features), expected, rtol=1e-5, atol=1e-5)

@@ -20,6 +20,7 @@ from jetflow_sglang.tree import (
     max_tree_nodes,
     pack_bits,
     packed_mask,
+    refreshed_tree,
 )
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -499,3 +500,55 @@ def test_pack_bits_matches_flashinfer_if_it_runs_on_cpu():
     packed, indptr = pack_bits(bits, torch.tensor(lens))
     assert torch.equal(packed, ref_packed.cpu().to(torch.uint8))
     assert indptr.tolist() == ref_indptr.cpu().tolist()
+
+
+# --------------------------------------------------------------------------- refresh re-expansion
+
+
+@SETTINGS
+@given(tree_inputs())
+def test_refresh_with_unchanged_logprobs_rebuilds_the_same_node_set(inputs):
+    """When every node's path-conditioned log-probs equal its depth's one-pass log-probs,
+    the re-expanded tree is the one-pass tree: same paths, same scores."""
+    anchors, logprobs, budget, width = inputs
+    tree = build_tree(anchors, logprobs, budget, width)
+    depth_rows = tree.depths.clamp(max=logprobs.shape[1] - 1)
+    node_logprobs = logprobs.gather(1, depth_rows[..., None].expand(-1, -1, logprobs.shape[-1]))
+    again = refreshed_tree(tree, node_logprobs, logprobs, width)
+    assert again.tokens.shape == tree.tokens.shape
+    for b in range(anchors.shape[0]):
+        first = dict(zip(token_paths(tree, b), tree.scores[b].tolist()))
+        second = dict(zip(token_paths(again, b), again.scores[b].tolist()))
+        # Ties at the budget's edge may pick other equal-score nodes: compare the score multisets,
+        # and the paths wherever scores are not tied at the cut.
+        assert sorted(first.values()) == pytest.approx(sorted(second.values()), rel=1e-6, abs=TOL)
+        cut = min(first.values())
+        margin = TOL + 1e-6 * abs(cut)
+        assert {p for p, s in first.items() if s > cut + margin} == {p for p, s in second.items() if s > cut + margin}
+
+
+@SETTINGS
+@given(tree_inputs(), st.integers(0, 2**31 - 1))
+def test_refreshed_tree_is_best_first_under_node_logprobs(inputs, seed):
+    """Structure invariants hold, and each node's score is its parent's plus the log-prob its
+    parent's distribution (refreshed row if the parent was in the first tree, else its depth's
+    one-pass row) gives its token."""
+    anchors, logprobs, budget, width = inputs
+    tree = build_tree(anchors, logprobs, budget, width)
+    gen = torch.Generator().manual_seed(seed)
+    node_logprobs = torch.log_softmax(torch.randn(*tree.tokens.shape, logprobs.shape[-1], generator=gen) * 2, -1)
+    again = refreshed_tree(tree, node_logprobs, logprobs, width)
+    for b in range(anchors.shape[0]):
+        first_paths = {p: i for i, p in enumerate(token_paths(tree, b))}
+        paths = token_paths(again, b)
+        parents, scores = again.parents[b].tolist(), again.scores[b].tolist()
+        assert again.tokens[b, 0] == anchors[b] and parents[0] == -1 and scores[0] == 0
+        for i in range(1, len(paths)):
+            parent = parents[i]
+            assert 0 <= parent < i and again.depths[b, i] == again.depths[b, parent] + 1
+            source = first_paths.get(paths[parent])
+            row = node_logprobs[b, source] if source is not None else logprobs[b, int(again.depths[b, parent])]
+            assert scores[i] == pytest.approx(scores[parent] + float(row[again.tokens[b, i]]), rel=1e-6, abs=TOL)
+            assert int(again.tokens[b, i]) in row.topk(min(width, row.numel())).indices.tolist()
+        assert len(set(paths)) == len(paths)  # no duplicate branch
+        assert torch.equal(again.ancestors[b], ancestor_mask(again.parents[b : b + 1], logprobs.shape[1])[0])

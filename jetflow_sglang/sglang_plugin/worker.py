@@ -102,6 +102,12 @@ class JetFlowWorker(BaseSpecWorker):
         kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
         num_slots = int(kv_pool.size) + int(kv_pool.page_size) + 1
         self.proposer = HeadProposer(self.head, self.req_to_token_pool.req_to_token, num_slots, self.device)
+        context_mib = 2 * self.proposer.keys.numel() * self.proposer.keys.element_size() / 2**20
+        logger.info(
+            "JETFLOW: budget %d, width %d, block %d; head context K/V %.1f MiB for %d KV slots; "
+            "per round at most %d tree tokens per request",
+            self.budget, self.width, self.block_size, context_mib, num_slots, self.budget,
+        )
         oracle = os.environ.get(ORACLE_ENV)
         if oracle:
             logger.warning("JETFLOW: test oracle drafts the prompts listed in %s; the head drafts the rest", oracle)
