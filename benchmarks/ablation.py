@@ -6,7 +6,7 @@ Each loss trains a causal head for the same steps on the data `make train-defaul
 regenerated (no revealed prefixes, so only the loss differs), then `jetflow eval` runs
 it at the budget on the first HumanEval and held-out ShareGPT prompts. With
 `--refresh-head DIR`, that head is also evaluated with the path-conditioned refresh pass,
-interleaved prompt by prompt with its one-pass run. Stages run once: rerun to resume.
+before the loss runs (same prompts, same budget). Stages run once: rerun to resume.
 Prints a table and writes JSON.
 """
 
@@ -47,15 +47,15 @@ def main(argv: list[str] | None = None) -> int:
         return results
 
     rows = {}
+    if args.refresh_head:
+        rows["one-pass"] = evaluate("one-pass", args.refresh_head, [])
+        rows["refresh"] = evaluate("refresh", args.refresh_head, ["--refresh"])
     for loss in ("fkl", "rkl", "sft"):
         stages.run(f"train-{loss}", [
             "train", "--data", str(data), "--out", str(work / loss), "--loss", loss, "--steps", str(args.steps),
             "--batch-tokens", str(recipe.batch_tokens), "--lr", str(recipe.lr), "--warmup-steps", str(recipe.warmup_steps),
         ])
         rows[loss] = evaluate(loss, str(work / loss), [])
-    if args.refresh_head:
-        rows["one-pass"] = evaluate("one-pass", args.refresh_head, [])
-        rows["refresh"] = evaluate("refresh", args.refresh_head, ["--refresh"])
     header = f"{'run':<10}" + "".join(f"{p + ' tau':>22}{'speedup':>10}" for p in EVAL_SETS)
     print(header)
     for name, results in rows.items():

@@ -60,7 +60,7 @@ def test_shipped_head_is_lossless(target, prompt_ids, greedy_runs, refresh):
             result = engine.generate(ids, NEW_TOKENS)
             assert result.tokens == reference, (budget, ids)
             committed, rounds = committed + len(result.tokens), rounds + result.rounds
-    assert committed / rounds > 1.5  # a trained head gets drafts accepted: long paths are exercised
+    assert committed / rounds > 1.2  # a trained head gets drafts accepted (a random one: 1.0)
 
 
 def _longest_true_path(tree, truth: list[int]) -> int:
