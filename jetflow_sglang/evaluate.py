@@ -48,6 +48,8 @@ def evaluate(config: EvalConfig):
     from jetflow_sglang.assets import load_target_and_head
 
     target, head = load_target_and_head(config.target, resolve_head_spec(config.head), getattr(torch, config.dtype))
+    if config.refresh and not head.config.causal:
+        raise JetFlowError("--refresh needs a causal head (it reads real tokens in place of MASKs); this one is bidirectional")
     prompts: list[Prompt] = load_prompts(config.prompts)[: config.limit]
     engines = {
         b: ReferenceEngine(target, HeadDrafter(head), budget=b, width=config.width, refresh=config.refresh)

@@ -152,6 +152,11 @@ def model_card(name: str, report: dict) -> str:
     limits = dict(zip(EVAL_SETS, config["eval_limits"]))
     title = "JetFlow draft head" if name == "jetflow" else "DFlash-T baseline head (bidirectional block mask)"
     reveal = f", reveal {config['reveal']}" if mask == "causal" and config["reveal"] > 0 else ""
+    bf16_note = "" if config["eval_dtype"] == "float32" else (
+        " \"Identical\" compares token ids with plain decoding in the same dtype: in bf16 a\n"
+        "tree verify and a one-token decode round differently, so a near-tie can flip one argmax\n"
+        "and the texts part there. In fp32 the outputs are identical (`tests/test_engine.py`)."
+    )
     return f"""# {title} for SmolLM2-135M-Instruct
 
 Made by `make train-default` (`python -m jetflow_sglang.recipe`). Load it with
@@ -167,7 +172,7 @@ Made by `make train-default` (`python -m jetflow_sglang.recipe`). Load it with
   distribution, AdamW lr {config['lr']} (warmup {config['warmup_steps']}, cosine){reveal};
   final loss {train['final_loss']:.3f}; {train['seconds_per_step']} s/step on a 2-core CPU (AMX bf16).
 - **Wall time on that machine**: regeneration {seconds['regenerate'] / 60:.1f} min (shared by both heads),
-  training {seconds[f'train-{name}'] / 60:.1f} min{' (including the one-time target feature cache)' if name == 'jetflow' else ''},
+  training {seconds[f'train-{name}'] / 60:.1f} min{' (plus the one-time target feature cache, if this run built it)' if name == 'jetflow' else ''},
   evaluation {sum(seconds[f'eval-{name}-{p}'] for p in EVAL_SETS) / 60:.1f} min.
 
 ![loss](loss.png)
@@ -176,7 +181,7 @@ Made by `make train-default` (`python -m jetflow_sglang.recipe`). Load it with
 
 First {limits['humaneval']} HumanEval prompts and first {limits['sharegpt-heldout']} held-out ShareGPT prompts,
 {config['eval_max_new_tokens']} new tokens each, {config['eval_dtype']}; speedup is the median per prompt of
-tokens/s against plain decoding in the same process.
+tokens/s against plain decoding in the same process.{bf16_note}
 
 {tau_table(report, name)}
 """

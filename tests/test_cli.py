@@ -144,3 +144,8 @@ def test_unknown_flags_are_refused_except_by_serve(prepared, capsys):
         main(["generate", "--prompt", "x", "--chunked-prefill-size", "64"])
     assert info.value.code == 2
     assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_eval_refuses_refresh_for_the_bidirectional_baseline(prepared, capsys):
+    assert main(["eval", "--head", "dflash-t", "--refresh", "--limit", "1", "--budgets", "4"]) == 2
+    assert "needs a causal head" in _error_line(capsys)
