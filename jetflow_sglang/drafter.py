@@ -29,11 +29,6 @@ class Drafter(Protocol):
         """Draft logits [1, block_size - 1, V] for positions position+1.. after the anchor [1] at `position`."""
 
 
-class RefreshingDrafter(Drafter, Protocol):
-    def refresh(self, tree: DraftTree, position: int) -> Tensor:
-        """Logits [1, N, V] of the token after each tree node, given the path to it (anchor at `position`)."""
-
-
 class HeadDrafter:
     """Drafts with a JetFlow head; keeps the head's context K/V in preallocated buffers."""
 
@@ -77,5 +72,6 @@ class HeadDrafter:
 
     @torch.inference_mode()
     def refresh(self, tree: DraftTree, position: int) -> Tensor:
+        """Logits [1, N, V] of the token after each tree node, given the path to it (optional drafter method)."""
         context = [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self._keys, self._values)]
         return self.head.refresh(tree.tokens, tree.depths + position, tree.ancestors, context)
