@@ -29,8 +29,8 @@ class TreeMasks:
     ancestors: Tensor  # [b, N, N] bool, [b, i, j]: node j is node i or one of its ancestors
     positions: Tensor  # [b, N] int64, prefix_len + depth
     full_mask: Tensor  # flat bool, per request a row-major [N, prefix_len + N] block (SGLang FULL_MASK)
-    packed_mask: Tensor  # uint8, each request's block bit-packed little-endian (FlashInfer)
-    packed_indptr: Tensor  # [b + 1] int64, byte offsets of the requests in packed_mask
+    packed_mask: Tensor | None  # uint8, each request's block bit-packed little-endian (FlashInfer)
+    packed_indptr: Tensor | None  # [b + 1] int64, byte offsets of the requests in packed_mask
 
 
 @triton.jit
@@ -104,11 +104,13 @@ def ancestor_mask(parents: Tensor) -> Tensor:
     return ancestors.view(torch.bool)
 
 
-def tree_masks(parents: Tensor, depths: Tensor, prefix_lens: Tensor) -> TreeMasks:
+def tree_masks(parents: Tensor, depths: Tensor, prefix_lens: Tensor, packed: bool = True) -> TreeMasks:
     """Masks and positions of a batch of trees over ragged prefixes. parents, depths: [b, N];
-    prefix_lens: [b], tokens already in the target's KV cache before the tree."""
+    prefix_lens: [b], tokens already in the target's KV cache before the tree. packed=False
+    leaves the FlashInfer packed mask out (None); the kernel writes it from the same pass, the
+    torch reference would spend as long again packing it."""
     if not use_triton(parents):
-        return tree_masks_reference(parents, depths, prefix_lens)
+        return tree_masks_reference(parents, depths, prefix_lens, packed)
     batch, budget = parents.shape
     device = parents.device
     prefix_lens = prefix_lens.to(device=device, dtype=torch.int64)
@@ -124,7 +126,7 @@ def tree_masks(parents: Tensor, depths: Tensor, prefix_lens: Tensor) -> TreeMask
     ancestors = ancestor_mask(parents)
     positions = torch.empty(batch, budget, dtype=torch.int64, device=device)
     full = torch.empty(total_bits, dtype=torch.uint8, device=device)
-    packed = torch.empty(total_bytes, dtype=torch.uint8, device=device)
+    packed_bytes = torch.empty(total_bytes, dtype=torch.uint8, device=device)
     if batch:
         _mask_kernel[(batch, triton.cdiv(max_bits, MASK_BLOCK))](
             ancestors,
@@ -134,19 +136,21 @@ def tree_masks(parents: Tensor, depths: Tensor, prefix_lens: Tensor) -> TreeMask
             packed_indptr,
             positions,
             full,
-            packed,
+            packed_bytes,
             budget,
             BLOCK=MASK_BLOCK,
         )
-    return TreeMasks(ancestors, positions, full.view(torch.bool), packed, packed_indptr)
+    if not packed:
+        return TreeMasks(ancestors, positions, full.view(torch.bool), None, None)
+    return TreeMasks(ancestors, positions, full.view(torch.bool), packed_bytes, packed_indptr)
 
 
-def tree_masks_reference(parents: Tensor, depths: Tensor, prefix_lens: Tensor) -> TreeMasks:
-    ancestors = reference.ancestor_mask(parents, parents.shape[1] - 1)
+def tree_masks_reference(parents: Tensor, depths: Tensor, prefix_lens: Tensor, packed: bool = True) -> TreeMasks:
+    ancestors = reference.ancestor_mask(parents, int(depths.max()) if depths.numel() else 0)
     # full_mask and packed_mask read only the ancestors, the budget and the device.
     shape_only = DraftTree(tokens=parents, parents=parents, depths=depths, scores=depths.float(), ancestors=ancestors)
     prefix_lens = prefix_lens.to(device=parents.device, dtype=torch.int64)
-    packed, indptr = reference.packed_mask(shape_only, prefix_lens)
+    packed_bytes, indptr = reference.packed_mask(shape_only, prefix_lens) if packed else (None, None)
     return TreeMasks(
-        ancestors, shape_only.positions(prefix_lens), reference.full_mask(shape_only, prefix_lens), packed, indptr
+        ancestors, shape_only.positions(prefix_lens), reference.full_mask(shape_only, prefix_lens), packed_bytes, indptr
     )

@@ -155,6 +155,9 @@ def check_tree_masks(device: str) -> None:
             assert torch.equal(got.full_mask, full_mask(tree_on, prefix_on))
             assert torch.equal(got.packed_mask, want_packed)
             assert torch.equal(got.packed_indptr, want_indptr)
+            unpacked = tree_masks(tree_on.parents, tree_on.depths, prefix_on, packed=False)
+            assert unpacked.packed_mask is None and unpacked.packed_indptr is None
+            assert torch.equal(unpacked.full_mask, got.full_mask) and torch.equal(unpacked.positions, got.positions)
 
 
 def check_accept_greedy(device: str) -> None:
@@ -358,6 +361,9 @@ def test_cpu_wrappers_are_the_references() -> None:
     assert torch.equal(masks.full_mask, full_mask(want, prefix_lens))
     assert torch.equal(masks.positions, want.positions(prefix_lens))
     assert torch.equal(masks.packed_mask, packed_mask(want, prefix_lens)[0])
+    assert torch.equal(masks.ancestors, want.ancestors)
+    unpacked = tree_masks(want.parents, want.depths, prefix_lens, packed=False)
+    assert unpacked.packed_mask is None and torch.equal(unpacked.full_mask, masks.full_mask)
 
 
 def test_tree_build_rejects_bad_budgets() -> None:

@@ -23,17 +23,23 @@ Runs in every SGLang process (``sglang.srt.plugins.load_plugins``):
   every generate request passes before it is queued; SGLang has no request
   validation seam for speculative algorithms) so that, only while JETFLOW is the
   speculative algorithm, a sampling or grammar-constrained request is refused
-  with a 400 and a message saying why, instead of being decoded greedily.
+  with a 400 and a message saying why, instead of being decoded greedily;
+* wraps ``ModelRunner._decode_cuda_graph_runner_cls`` and
+  ``spec_info.create_dummy_verify_input`` (SGLang's own seams for per-algorithm graph
+  runners and warmup inputs) so that JETFLOW's tree verify is captured in CUDA graphs
+  (:mod:`.verify_input`).
 """
 
 from __future__ import annotations
 
-from . import attention, spec_algo
+from . import attention, spec_algo, verify_input
 
 ASSIGN_REQ_TO_TOKEN = "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func"
 KV_COPY_WARMUP = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup"
 RESOLVE_ALIAS = "sglang.srt.arg_groups.speculative_hook._resolve_speculative_algorithm_alias"
 VALIDATE_REQUEST = "sglang.srt.managers.utils.validate_input_length"
+GRAPH_RUNNER_CLS = "sglang.srt.model_executor.model_runner.ModelRunner._decode_cuda_graph_runner_cls"
+DUMMY_VERIFY_INPUT = "sglang.srt.speculative.spec_info.create_dummy_verify_input"
 
 
 def _on_jetflow_cpu() -> bool:
@@ -91,3 +97,5 @@ def register() -> None:
     HookRegistry.register(KV_COPY_WARMUP, _kv_copy_warmup_around, HookType.AROUND)
     HookRegistry.register(RESOLVE_ALIAS, _resolve_alias_around, HookType.AROUND)
     HookRegistry.register(VALIDATE_REQUEST, _validate_request_around, HookType.AROUND)
+    HookRegistry.register(GRAPH_RUNNER_CLS, verify_input.decode_graph_runner_cls, HookType.AROUND)
+    HookRegistry.register(DUMMY_VERIFY_INPUT, verify_input.dummy_verify_input, HookType.AROUND)

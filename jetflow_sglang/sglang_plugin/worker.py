@@ -9,11 +9,14 @@ own buffers, indexed by the target's KV slot ids (radix-cache hits reuse them).
   K/V at the slots and positions the target just wrote.
 * Decode: ``batch.seq_lens`` committed tokens have KV; the anchor (the pending
   bonus token, ``spec_info.bonus_tokens``) sits at position ``seq_len``. One draft
-  pass -> best-first tree (``jetflow_sglang.tree``) -> one TARGET_VERIFY forward
-  with the FULL_MASK tree mask -> greedy tree walk (``jetflow_sglang.accept``) ->
+  pass -> best-first tree -> one TARGET_VERIFY forward with the FULL_MASK tree mask
+  (graph-captured on GPUs, :mod:`.verify_input`) -> greedy tree walk ->
   the accepted path's target KV moves to the front slots ``[seq_len, seq_len + a]``
   and its features become head context K/V there. Committed tokens (accepted drafts
   then the bonus) go at the front of each request's row of width Q.
+
+Tree build, masks and acceptance are ``jetflow_kernels``: Triton kernels on CUDA, their torch
+references (``jetflow_sglang.tree`` / ``.accept``) elsewhere.
 """
 
 from __future__ import annotations
@@ -34,15 +37,14 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, Forw
 from sglang.srt.runtime_context import get_spec
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
-from sglang.srt.speculative.eagle_info import EagleVerifyInput
 from sglang.srt.speculative.eagle_utils import eagle_prepare_for_verify
 
-from jetflow_sglang.accept import accept_tree
+from jetflow_kernels import accept_greedy, build_tree_from_topk, tree_masks
 from jetflow_sglang.head import JetFlowHead
-from jetflow_sglang.tree import DraftTree, build_tree, full_mask
 
 from .proposer import DraftRequest, HeadProposer, OracleProposer, Proposer
 from .spec_algo import request_error
+from .verify_input import verify_input
 
 logger = logging.getLogger(__name__)
 
@@ -208,18 +210,23 @@ class JetFlowWorker(BaseSpecWorker):
         logits = self.proposer.propose(request)
         t = self._tick("draft", t)
 
-        tree = build_tree(anchors, logits.float().log_softmax(-1), budget, self.width)
-        verify_input = self._verify_input(tree, seq_lens, batch)
+        topk_logprobs, topk_tokens = logits.float().log_softmax(-1).topk(min(self.width, logits.shape[-1]), dim=-1)
+        tree = build_tree_from_topk(anchors, topk_logprobs, topk_tokens, budget)
+        masks = tree_masks(tree.parents, tree.depths, seq_lens, packed=False)
+        spec_input = verify_input(
+            masks.full_mask, budget, self.depths, self.width,
+            draft_tokens=tree.tokens.flatten(), positions=masks.positions.flatten(), seq_lens=seq_lens,
+        )
         t = self._tick("tree", t)
 
-        batch.spec_info = verify_input
-        verify_batch, _ = eagle_prepare_for_verify(verify_input, self.req_to_token_pool, batch, self.target_worker)
+        batch.spec_info = spec_input
+        verify_batch, _ = eagle_prepare_for_verify(spec_input, self.req_to_token_pool, batch, self.target_worker)
         target = self.target_worker.forward_batch_generation(batch=None, forward_batch=verify_batch, is_verify=True)
         logits_output: LogitsProcessorOutput = target.logits_output
         picks = logits_output.next_token_logits.argmax(-1).view(bs, budget)
         t = self._tick("verify", t)
 
-        acceptance = accept_tree(tree, picks, max_depth=self.depths)
+        acceptance = accept_greedy(tree, picks, max_depth=self.depths)
         accept_lens = (acceptance.num_accepted + 1).to(torch.int32)
         new_seq_lens = seq_lens + accept_lens
         if on_publish is not None:
@@ -262,23 +269,4 @@ class JetFlowWorker(BaseSpecWorker):
             next_draft_input=make_draft_input_v2(bonus_tokens=acceptance.bonus, new_seq_lens=new_seq_lens),
             can_run_cuda_graph=target.can_run_cuda_graph,
             speculative_num_draft_tokens=budget,
-        )
-
-    def _verify_input(self, tree: DraftTree, seq_lens: torch.Tensor, batch: ScheduleBatch) -> EagleVerifyInput:
-        bs, budget = tree.tokens.shape
-        no_link = torch.full((bs, budget), -1, dtype=torch.int64, device=self.device)
-        return EagleVerifyInput(
-            draft_token=tree.tokens.flatten(),
-            custom_mask=full_mask(tree, seq_lens),
-            positions=tree.positions(seq_lens).flatten(),
-            retrieve_index=torch.arange(bs * budget, device=self.device).view(bs, budget),
-            retrieve_next_token=no_link,
-            retrieve_next_sibling=no_link,
-            retrieve_cum_len=None,
-            spec_steps=self.depths,
-            topk=self.width,
-            draft_token_num=budget,
-            capture_hidden_mode=CaptureHiddenMode.FULL,
-            seq_lens_sum=int(seq_lens.sum()),
-            seq_lens_cpu=seq_lens.cpu(),
         )
