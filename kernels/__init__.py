@@ -6,6 +6,7 @@ must match them and are tested against them under the Triton interpreter
 TRITON_INTERPRET=1 is set (before this package is imported), else the torch reference.
 """
 
+from ._dispatch import backend_name
 from .accept import accept_greedy, accept_sampling, accept_sampling_reference
 from .sampling import sample_inverse_cdf, target_picks_from_uniforms
 from .tree_build import build_tree_from_topk, build_tree_reference
@@ -13,6 +14,7 @@ from .tree_masks import TreeMasks, ancestor_mask, tree_masks
 
 __all__ = [
     "TreeMasks",
+    "backend_name",
     "accept_greedy",
     "accept_sampling",
     "accept_sampling_reference",

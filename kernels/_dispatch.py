@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 from triton import knobs
 
@@ -14,6 +15,13 @@ def interpreting() -> bool:
 
 def use_triton(tensor: Tensor) -> bool:
     return tensor.is_cuda or interpreting()
+
+
+def backend_name(device: torch.device | str) -> str:
+    """Which implementation the wrappers run for tensors on `device` (logged by the worker)."""
+    if interpreting():
+        return "triton (interpreter)"
+    return "triton" if torch.device(device).type == "cuda" else "torch reference"
 
 
 def next_power_of_2(n: int) -> int:

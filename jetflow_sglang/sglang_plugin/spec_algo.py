@@ -10,7 +10,9 @@ model loads, with one message naming the problem.
 Flags are SGLang's own: ``--speculative-draft-model-path`` (the head directory),
 ``--speculative-num-draft-tokens`` (tree budget N, root included, 1..512),
 ``--speculative-eagle-topk`` (tree width, default 7). The head's config.json
-carries the block size and the target tap layers.
+carries the block size and the target tap layers. Unless ``--max-running-requests`` is
+given, it becomes ``VERIFY_TOKENS_PER_BATCH // budget`` (128 at budget 16, 8 at 256), so the
+verify graphs and buffers stay the same size whatever the budget.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 ALGORITHM = "JETFLOW"
 DEFAULT_BUDGET = 64
 DEFAULT_WIDTH = 7
+# Default cap on requests x budget per verify batch: SGLang sizes its verify CUDA graphs and their
+# logits buffer (rows x vocab x 4 bytes, 1.2 GB for a 152k vocab) from max batch x budget.
+VERIFY_TOKENS_PER_BATCH = 2048
 GREEDY_ONLY = (
     "JETFLOW speculative decoding supports greedy decoding only for now "
     "(temperature 0 or top_k 1); got {what}"
@@ -105,6 +110,8 @@ def validate_server_args(server_args) -> None:
         )
     if server_args.speculative_num_steps is None:
         server_args.speculative_num_steps = depths
+    if server_args.max_running_requests is None:
+        server_args.max_running_requests = max(1, VERIFY_TOKENS_PER_BATCH // int(budget))
     if getattr(server_args, "pp_size", 1) > 1:
         _fail("pipeline parallelism is not supported")
     if getattr(server_args, "enable_dp_attention", False):

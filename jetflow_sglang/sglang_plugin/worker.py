@@ -39,7 +39,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.eagle_utils import eagle_prepare_for_verify
 
-from jetflow_kernels import accept_greedy, build_tree_from_topk, tree_masks
+from jetflow_kernels import accept_greedy, backend_name, build_tree_from_topk, tree_masks
 from jetflow_sglang.head import JetFlowHead
 
 from .proposer import DraftRequest, HeadProposer, OracleProposer, Proposer
@@ -104,16 +104,27 @@ class JetFlowWorker(BaseSpecWorker):
         kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
         num_slots = int(kv_pool.size) + int(kv_pool.page_size) + 1
         self.proposer = HeadProposer(self.head, self.req_to_token_pool.req_to_token, num_slots, self.device)
-        context_mib = 2 * self.proposer.keys.numel() * self.proposer.keys.element_size() / 2**20
-        logger.info(
-            "JETFLOW: budget %d, width %d, block %d; head context K/V %.1f MiB for %d KV slots; "
-            "per round at most %d tree tokens per request",
-            self.budget, self.width, self.block_size, context_mib, num_slots, self.budget,
-        )
+        logger.info("JETFLOW: %s", self.buffer_report(num_slots))
         oracle = os.environ.get(ORACLE_ENV)
         if oracle:
             logger.warning("JETFLOW: test oracle drafts the prompts listed in %s; the head drafts the rest", oracle)
             self.proposer = OracleProposer(oracle, self.proposer, self.vocab_size, self.width)
+
+    def buffer_report(self, num_slots: int) -> str:
+        """What the budget costs in memory, from the actual batch cap (`--max-running-requests`,
+        which the JETFLOW validator bounds by the budget when unset) and context length."""
+        max_bs = int(self.req_to_token_pool.size)
+        verify_tokens = max_bs * self.budget
+        context_len = int(self.model_runner.model_config.context_len)
+        logits_mib = verify_tokens * self.vocab_size * 4 / 2**20
+        mask_mib = verify_tokens * (context_len + self.budget) / 2**20
+        context_mib = 2 * self.proposer.keys.numel() * self.proposer.keys.element_size() / 2**20
+        return (
+            f"budget {self.budget}, width {self.width}, block {self.block_size}; up to {max_bs} requests "
+            f"per verify ({verify_tokens} tree tokens): verify logits {logits_mib:.1f} MiB, tree mask at "
+            f"context {context_len} {mask_mib:.1f} MiB; head context K/V {context_mib:.1f} MiB for "
+            f"{num_slots} KV slots; tree kernels: {backend_name(self.device)}"
+        )
 
     # -- forward -----------------------------------------------------------------------
     def forward_batch_generation(
