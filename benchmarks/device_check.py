@@ -114,10 +114,12 @@ class Bench:
 
 
 def run_kernel_tests(dry_run: bool, timeout_s: float) -> dict:
-    """tests/test_kernels.py -m gpu: the kernel checks on CUDA. A dry run selects those (skipped
-    without CUDA) and the fast CPU wrapper tests; the interpreter runs would take minutes."""
+    """The kernel checks on CUDA (`-m gpu`): jetflow_kernels against their references, and SGLang's
+    Triton verify attention reading the tree mask. A dry run selects those (skipped without CUDA)
+    and the fast CPU wrapper tests; the interpreter runs would take minutes."""
     selection = ["-k", "on_cuda or cpu_wrappers or rejects_bad_budgets"] if dry_run else ["-m", "gpu"]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py", *selection]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
+           "tests/test_verify_attention.py", *selection]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result, t0 = {"command": " ".join(cmd[2:])}, time.monotonic()
     try:
