@@ -9,8 +9,10 @@ target's vocabulary never grows.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -155,6 +157,23 @@ def rotate(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+LayerAttention = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q, block_k, block_v) -> [b, heads, Q, d]
+Attention = Callable[[int, Tensor, Tensor, Tensor], Tensor]  # the same, given the layer index first
+
+
+def dense_attention(context: list[tuple[Tensor, Tensor]], attn_mask: Tensor) -> Attention:
+    """Attention over dense context K/V (per layer [b, kv_heads, C, d]) then the block, under a
+    bool mask [b or 1, 1, Q, C + Q] over (context, block) keys."""
+
+    def attend(layer: int, q: Tensor, block_k: Tensor, block_v: Tensor) -> Tensor:
+        context_k, context_v = context[layer]
+        k = torch.cat([context_k, block_k], 2)
+        v = torch.cat([context_v, block_v], 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+    return attend
+
+
 class HeadLayer(nn.Module):
     """Llama decoder layer whose attention also reads the context K/V of the target features."""
 
@@ -183,24 +202,14 @@ class HeadLayer(nn.Module):
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         return rotate(k, positions, inv_freq), v
 
-    def forward(
-        self,
-        hidden: Tensor,
-        positions: Tensor,
-        context_k: Tensor,
-        context_v: Tensor,
-        attn_mask: Tensor,
-        inv_freq: Tensor,
-    ) -> Tensor:
-        """hidden: [b, Q, H] block states; context_k/v: [b, kv_heads, C, d]; attn_mask: bool
-        [b or 1, 1, Q, C + Q] over (context, block) keys."""
+    def forward(self, hidden: Tensor, positions: Tensor, inv_freq: Tensor, attend: "LayerAttention") -> Tensor:
+        """hidden: [b, Q, H] block states at positions [b, Q]; attend(q, block_k, block_v) gives
+        the attention of q [b, heads, Q, d] over the context and the block keys [b, kv_heads, Q, d]."""
         b, q_len, _ = hidden.shape
         x = self.input_layernorm(hidden)
         q = rotate(self.q_proj(x).view(b, q_len, self.heads, self.head_dim).transpose(1, 2), positions, inv_freq)
         block_k, block_v = self.key_value(x, positions, inv_freq)
-        k = torch.cat([context_k, block_k], 2)
-        v = torch.cat([context_v, block_v], 2)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.heads != self.kv_heads)
+        attn = attend(q, block_k, block_v)
         hidden = hidden + self.o_proj(attn.transpose(1, 2).reshape(b, q_len, -1))
         x = self.post_attention_layernorm(hidden)
         return hidden + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -268,9 +277,13 @@ class JetFlowHead(nn.Module):
         attn_mask: Tensor,
     ) -> Tensor:
         """Final-normed hidden states of the block tokens [b, Q, H]."""
+        return self.run_block(block_tokens, positions, dense_attention(context, attn_mask))
+
+    def run_block(self, block_tokens: Tensor, positions: Tensor, attention: Attention) -> Tensor:
+        """`forward_block` with the attention over context and block supplied (e.g. paged, in SGLang)."""
         hidden = self.embed_block(block_tokens).to(self.fc.weight.dtype)
-        for layer, (context_k, context_v) in zip(self.layers, context):
-            hidden = layer(hidden, positions, context_k, context_v, attn_mask, self.inv_freq)
+        for index, layer in enumerate(self.layers):
+            hidden = layer(hidden, positions, self.inv_freq, functools.partial(attention, index))
         return self.norm(hidden)
 
     def logits(self, hidden: Tensor) -> Tensor:
@@ -283,9 +296,7 @@ class JetFlowHead(nn.Module):
         context_valid: [b, C] bool for ragged contexts (None: all valid)."""
         block = self.config.block_size
         b, device = anchors.shape[0], anchors.device
-        block_tokens = torch.full((b, block), self.config.mask_token_id, dtype=torch.long, device=device)
-        block_tokens[:, 0] = anchors
-        positions = anchor_positions[:, None] + torch.arange(block, device=device)
+        block_tokens, positions = self.draft_block(anchors, anchor_positions)
         context_len = context[0][0].shape[2]
         if context_valid is None:
             context_valid = torch.ones(b, context_len, dtype=torch.bool, device=device)
@@ -294,6 +305,19 @@ class JetFlowHead(nn.Module):
         )[:, None]
         hidden = self.forward_block(block_tokens, positions, context, mask)
         return self.logits(hidden[:, 1:])
+
+    def draft_block(self, anchors: Tensor, anchor_positions: Tensor) -> tuple[Tensor, Tensor]:
+        """The draft block [anchor, MASK, ...] [b, B] and its positions [b, B]."""
+        block = self.config.block_size
+        block_tokens = torch.full((anchors.shape[0], block), self.config.mask_token_id, dtype=torch.long, device=anchors.device)
+        block_tokens[:, 0] = anchors
+        return block_tokens, anchor_positions[:, None] + torch.arange(block, device=anchors.device)
+
+    def draft_with(self, anchors: Tensor, anchor_positions: Tensor, attention: Attention) -> Tensor:
+        """`draft` with the attention over each request's context and the block supplied: draft
+        logits [b, B-1, V]. The attention must apply `block_mask` within the block."""
+        block_tokens, positions = self.draft_block(anchors, anchor_positions)
+        return self.logits(self.run_block(block_tokens, positions, attention)[:, 1:])
 
     def refresh(
         self,

@@ -148,3 +148,40 @@ def test_refresh_rows_equal_blocks_with_the_path_revealed():
         mask = torch.cat([torch.ones(1, length, 7, dtype=torch.bool), head.block_mask(length, block.device)[None]], -1)
         hidden = head.forward_block(block, position + torch.arange(length)[None], context, mask[:, None])
         torch.testing.assert_close(refreshed[0, i], head.logits(hidden[:, -1])[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_paged_draft_equals_dense_draft_and_graph_padding_changes_nothing(causal):
+    """SGLang's proposer: context K/V at scattered KV slots read through req_to_token (the paged
+    kernel's torch reference here), batch padded as for CUDA-graph replay, equals `draft` on each
+    request's own dense context."""
+    from jetflow_sglang.sglang_plugin.proposer import DraftRequest, HeadProposer
+
+    head = small_head(causal=causal, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    lens, rows = [10, 57, 1], [3, 0, 4]
+    req_to_token = torch.zeros(5, 80, dtype=torch.int32)
+    slots = torch.randperm(200, generator=gen)
+    proposer = HeadProposer(head, req_to_token, num_slots=200, device="cpu")
+    features, start = [], 0
+    for row, n in zip(rows, lens):
+        req_to_token[row, :n] = slots[start : start + n].to(torch.int32)
+        feats = torch.randn(n, 3 * 32, generator=gen)
+        proposer.write_context(feats, slots[start : start + n], torch.arange(n))
+        features.append(feats)
+        start += n
+    anchors = torch.tensor([7, 11, 2])
+    request = DraftRequest(anchors, torch.tensor(lens), torch.tensor(rows), prompts=[[]] * 3, rids=["a", "b", "c"])
+    with torch.no_grad():
+        dense = torch.cat([
+            head.draft(anchors[i : i + 1], torch.tensor([n]), head.context_kv(features[i][None], torch.arange(n)[None]))
+            for i, n in enumerate(lens)
+        ])  # fmt: skip
+        paged = proposer.propose(request)
+        proposer.use_graphs([1, 2, 4, 8], "padded")
+        assert proposer.runner.bucket(3) == 4 and proposer.runner.bucket(9) is None
+        padded = proposer.propose(request)
+    assert paged.shape == (3, head.config.block_size - 1, 50)
+    assert torch.allclose(paged, dense, atol=1e-5), (paged - dense).abs().max()
+    assert torch.allclose(padded, paged, atol=1e-6)
+    assert proposer.runner.seq_lens[3] == 0  # the padding row has no context

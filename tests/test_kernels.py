@@ -26,6 +26,11 @@ from jetflow_kernels.accept import (
     accept_sampling_reference,
 )
 from jetflow_kernels.sampling import sample_inverse_cdf, target_picks_from_uniforms
+from jetflow_kernels.head_attention import (
+    _paged_block_attention_kernel,
+    paged_block_attention,
+    paged_block_attention_reference,
+)
 from jetflow_kernels.tree_build import (
     _tree_build_kernel,
     build_tree_from_topk,
@@ -276,8 +281,46 @@ def assert_fits(observed: Counter, expected: dict[tuple, float], draws: int) -> 
     assert chisquare(obs, exp).pvalue > P_MIN
 
 
+def check_paged_block_attention(device: str) -> None:
+    """The head's paged attention against the gather + SDPA reference: ragged and empty contexts,
+    scattered slots, GQA, causal and bidirectional blocks, fp32 and (on CUDA) bf16."""
+    gen = torch.Generator().manual_seed(6)
+    cases = [  # context lengths, block, heads, kv heads, head dim
+        ([0], 1, 2, 1, 16),
+        ([5, 130, 0, 64], 16, 9, 3, 64),
+        ([300], 8, 4, 4, 32),
+        ([1, 2, 3, 200, 64, 65, 0, 7], 16, 32, 8, 128),
+    ]
+    dtypes = [torch.float32] + ([torch.bfloat16] if device == "cuda" else [])
+    for lens, block, heads, kv_heads, head_dim in cases:
+        batch, rows = len(lens), len(lens) + 3
+        num_slots = sum(lens) + 10
+        req_to_token = torch.zeros(rows, max(lens) + 5, dtype=torch.int32)
+        req_pool_indices = torch.randperm(rows, generator=gen)[:batch]
+        slots = torch.randperm(num_slots, generator=gen)
+        start = 0
+        for row, n in zip(req_pool_indices.tolist(), lens):
+            req_to_token[row, :n] = slots[start : start + n].to(torch.int32)
+            start += n
+        for dtype in dtypes:
+            def rand(*shape):
+                return torch.randn(*shape, generator=gen).to(device, dtype)
+
+            q, block_k, block_v = rand(batch, heads, block, head_dim), rand(batch, kv_heads, block, head_dim), rand(batch, kv_heads, block, head_dim)
+            key_cache, value_cache = rand(num_slots, kv_heads, head_dim), rand(num_slots, kv_heads, head_dim)
+            args = (key_cache, value_cache, req_to_token.to(device), req_pool_indices.to(device), torch.tensor(lens).to(device))
+            for causal in (True, False):
+                assert use_triton(q)
+                got = paged_block_attention(q, block_k, block_v, *args, causal)
+                want = paged_block_attention_reference(q.float(), block_k.float(), block_v.float(), *[a.float() if a.is_floating_point() else a for a in args], causal)
+                tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+                error = (got.float() - want).abs().max().item()
+                assert error < tolerance, (lens, block, heads, dtype, causal, error)
+
+
 CHECKS = {
-    check.__name__: check for check in (check_tree_build, check_tree_masks, check_accept_greedy, check_accept_sampling)
+    check.__name__: check
+    for check in (check_tree_build, check_tree_masks, check_accept_greedy, check_accept_sampling, check_paged_block_attention)
 }
 
 
@@ -310,6 +353,12 @@ SM90_BUILDS = {
         {"BLOCK_N": 512, "BLOCK_V": 1, "SAMPLING": False},
         4,
     ),
+    "paged_block_attention": (
+        _paged_block_attention_kernel,
+        "*bf16 *bf16 *bf16 *bf16 *bf16 *i32 *i64 *i64 *bf16 i32 i32 i32 i32 fp32",
+        {"CAUSAL": True, "BLOCK_M": 16, "BLOCK_N": 64, "HEAD_DIM": 128, "DOT_PRECISION": "tf32"},
+        4,
+    ),
     "accept_sampling": (
         _accept_kernel,
         "*i64 *i64 *i64 *fp32 *fp32 *fp32 *i64 *fp32 *i64 *i64 *i64 i32 i32 i32",
@@ -333,9 +382,10 @@ def test_kernel_compiles_for_sm90(build: str) -> None:
     source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     assert compiled.asm["cubin"]
-    # The tree build re-reads its scratch after barriers: those loads must not go through the
-    # non-coherent read-only cache.
-    assert "ld.global.nc" not in compiled.asm["ptx"]
+    if build != "paged_block_attention":  # reads only inputs; the others re-read what they wrote
+        # The tree build re-reads its scratch after barriers: those loads must not go through the
+        # non-coherent read-only cache.
+        assert "ld.global.nc" not in compiled.asm["ptx"]
 
 
 @pytest.mark.gpu

@@ -164,19 +164,21 @@ def test_greedy_token_ids_equal_no_spec_server(jetflow_server, cases, reference,
 
 @pytest.mark.slow
 def test_triton_kernels_in_the_worker_are_lossless(target_dir, head_dir, cases, reference, tmp_path):
-    """TRITON_INTERPRET=1: the server's worker builds trees and masks and walks acceptance with the
-    Triton kernels, as on a GPU (about 2 s a round here), and must still equal the no-spec ids."""
+    """TRITON_INTERPRET=1: the server's worker drafts with the paged head-attention kernel, builds
+    trees and masks and walks acceptance with the Triton kernels, as on a GPU (about 2 s a round
+    here), its draft batch padded as for CUDA-graph replay; it must still equal the no-spec ids."""
     picked = [0, 3, 8, 13]  # two head-drafted, two oracle-drafted (long accepted paths)
     log = tmp_path / "server.log"
     server = sglang_server.start(
         target_dir, log, *sglang_server.jetflow_args(head_dir, 64),
-        env={"JETFLOW_TEST_ORACLE": reference["oracle_file"], "TRITON_INTERPRET": "1"},
+        env={"JETFLOW_TEST_ORACLE": reference["oracle_file"], "TRITON_INTERPRET": "1", "JETFLOW_TEST_DRAFT_PADDING": "1"},
     )  # fmt: skip
     try:
         outputs = _run_all(server.url, [cases[i] for i in picked], 2)
     finally:
         server.stop()
-    assert "tree kernels: triton (interpreter)" in log.read_text()
+    text = log.read_text()
+    assert "tree kernels: triton (interpreter)" in text and "draft pass padded to batch sizes" in text
     for i, out in zip(picked, outputs):
         assert out["output_ids"] == reference["output_ids"][i], i
     oracle_meta = outputs[-1]["meta_info"]

@@ -17,8 +17,11 @@ from typing import Protocol, Sequence
 import torch
 from torch import Tensor
 
+from jetflow_kernels import paged_block_attention
 from jetflow_sglang.head import JetFlowHead
 from jetflow_sglang.oracle import OracleDrafter
+
+from .draft_graphs import DraftGraphRunner
 
 
 @dataclass
@@ -54,6 +57,7 @@ class HeadProposer:
         shape = (config.num_layers, num_slots, config.num_key_value_heads, config.head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.runner = DraftGraphRunner(self.draft, (), device, "eager")
 
     @torch.inference_mode()
     def write_context(self, features: Tensor, slots: Tensor, positions: Tensor) -> None:
@@ -65,19 +69,26 @@ class HeadProposer:
             self.keys[layer, slots] = k[0].transpose(0, 1).to(self.keys.dtype)
             self.values[layer, slots] = v[0].transpose(0, 1).to(self.values.dtype)
 
+    def draft(self, anchors: Tensor, seq_lens: Tensor, req_pool_indices: Tensor) -> Tensor:
+        """Draft logits [b, B-1, V]; the head attends to its context K/V where the target's KV is
+        (`req_to_token[row, :seq_len]`), through the paged kernel (no host sync: graph-capturable)."""
+        causal = self.head.config.causal
+
+        def attend(layer: int, q: Tensor, block_k: Tensor, block_v: Tensor) -> Tensor:
+            return paged_block_attention(
+                q, block_k, block_v, self.keys[layer], self.values[layer],
+                self.req_to_token, req_pool_indices, seq_lens, causal,
+            )  # fmt: skip
+
+        return self.head.draft_with(anchors, seq_lens, attend)
+
+    def use_graphs(self, batch_sizes: Sequence[int], mode: str) -> None:
+        """Run the draft pass through `DraftGraphRunner` (mode "graph": CUDA graphs per batch size)."""
+        self.runner = DraftGraphRunner(self.draft, batch_sizes, self.keys.device, mode)
+
     @torch.inference_mode()
     def propose(self, request: DraftRequest) -> Tensor:
-        seq_lens = request.seq_lens.long()
-        width = max(int(seq_lens.max()), 1)
-        columns = torch.arange(width, device=seq_lens.device)
-        valid = columns[None, :] < seq_lens[:, None]  # [b, C]
-        rows = self.req_to_token[request.req_pool_indices.long()][:, :width].long()
-        slots = torch.where(valid, rows, torch.zeros_like(rows))
-        context = [
-            (self.keys[layer][slots].permute(0, 2, 1, 3), self.values[layer][slots].permute(0, 2, 1, 3))
-            for layer in range(self.keys.shape[0])
-        ]
-        return self.head.draft(request.anchors.long(), seq_lens, context, valid)
+        return self.runner.run(request.anchors.long(), request.seq_lens.long(), request.req_pool_indices.long())
 
 
 class OracleProposer:

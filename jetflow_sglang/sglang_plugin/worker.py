@@ -49,6 +49,8 @@ from .verify_input import verify_input
 logger = logging.getLogger(__name__)
 
 ORACLE_ENV = "JETFLOW_TEST_ORACLE"
+DRAFT_PADDING_ENV = "JETFLOW_TEST_DRAFT_PADDING"  # tests: draft-graph replay bookkeeping without CUDA
+TEST_DRAFT_BATCH_SIZES = (1, 2, 4, 8)
 DUMP_FEATURES_ENV = "JETFLOW_TEST_DUMP_FEATURES"  # tests: compare captured taps with HF's
 PROFILE_ENV = "JETFLOW_PROFILE"
 PROFILE_EVERY = 20  # rounds between profile log lines (cumulative)
@@ -103,12 +105,23 @@ class JetFlowWorker(BaseSpecWorker):
         self.req_to_token_pool, self.token_to_kv_pool_allocator = self._target_worker.get_memory_pool()
         kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
         num_slots = int(kv_pool.size) + int(kv_pool.page_size) + 1
-        self.proposer = HeadProposer(self.head, self.req_to_token_pool.req_to_token, num_slots, self.device)
+        self.head_proposer = HeadProposer(self.head, self.req_to_token_pool.req_to_token, num_slots, self.device)
+        self.proposer = self.head_proposer
         logger.info("JETFLOW: %s", self.buffer_report(num_slots))
         oracle = os.environ.get(ORACLE_ENV)
         if oracle:
             logger.warning("JETFLOW: test oracle drafts the prompts listed in %s; the head drafts the rest", oracle)
-            self.proposer = OracleProposer(oracle, self.proposer, self.vocab_size, self.width)
+            self.proposer = OracleProposer(oracle, self.head_proposer, self.vocab_size, self.width)
+
+    def init_cuda_graphs(self) -> None:
+        """Capture the head's draft pass at the target verify graphs' batch sizes (after SGLang
+        captured those: scheduler order), unless graphs are off or the device is not CUDA."""
+        verify_graphs = getattr(self.model_runner, "decode_cuda_graph_runner", None)
+        if verify_graphs is not None and torch.device(self.device).type == "cuda":
+            self.head_proposer.use_graphs(verify_graphs.capture_bs, "graph")
+        elif os.environ.get(DRAFT_PADDING_ENV) == "1":
+            logger.warning("JETFLOW: draft pass padded to batch sizes %s without capture (test)", TEST_DRAFT_BATCH_SIZES)
+            self.head_proposer.use_graphs(TEST_DRAFT_BATCH_SIZES, "padded")
 
     def buffer_report(self, num_slots: int) -> str:
         """What the budget costs in memory, from the actual batch cap (`--max-running-requests`,
