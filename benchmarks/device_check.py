@@ -320,6 +320,31 @@ def kernel_rows(bench: Bench, s: Setup, n: int) -> None:
         bench.row(op, "reference", n, reference, iters=bench.iters * 2, accepted=accepted)
 
 
+def sglang_draft_rows(bench: Bench, head, features: Tensor, positions: Tensor, anchor: Tensor, prefix_lens: Tensor
+                      ) -> dict:
+    """The draft pass as the SGLang worker runs it: the head's context K/V at KV slots read through
+    req_to_token by the paged attention kernel, eagerly and replayed from a CUDA graph (the padded
+    replay path without capture on a dry run). Returns the max |logit| differences between paths."""
+    from jetflow_sglang.sglang_plugin.proposer import DraftRequest, HeadProposer
+
+    device, prefix = anchor.device, int(prefix_lens[0])
+    block = head.config.block_size
+    req_to_token = torch.arange(prefix + block, dtype=torch.int32, device=device)[None]
+    proposer = HeadProposer(head, req_to_token, prefix + block, device)
+    proposer.write_context(features[0], torch.arange(prefix, device=device), positions[0])
+    request = DraftRequest(anchor, prefix_lens, torch.zeros(1, dtype=torch.int64, device=device), [[]], ["0"])
+    dense = head.draft(anchor, prefix_lens, head.context_kv(features, positions)).float()
+    eager = proposer.propose(request).float()
+    bench.row("head", "paged_eager", block, lambda: proposer.propose(request))
+    proposer.use_graphs([1, 2, 4], "graph" if device.type == "cuda" else "padded")
+    replayed = proposer.propose(request).float()
+    bench.row("head", "paged_graph", block, lambda: proposer.propose(request))
+    diffs = {"paged_vs_dense": float((eager - dense).abs().max()), "graph_vs_eager": float((replayed - eager).abs().max()),
+             "logit_scale": float(dense.abs().max())}
+    log(f"draft paths: {diffs}")
+    return diffs
+
+
 def compare_verify(s: Setup, n: int) -> dict:
     """Logits of one verify with the packed mask against the 4D-mask SDPA run."""
     logits = []
@@ -373,6 +398,7 @@ def measure(args: argparse.Namespace, bench: Bench, report: dict, dtype: torch.d
     anchor, prefix_lens = prompt[:, -1], torch.tensor([prefix], device=device)
     bench.row("head", "draft", head.config.block_size, lambda: head.draft(anchor, prefix_lens, context))
     bench.row("head", "context_kv", 8, lambda: head.context_kv(features[:, :8], positions[:, :8]))
+    report["draft_paths"] = sglang_draft_rows(bench, head, features, positions, anchor, prefix_lens)
     topk = tuple(head.draft(anchor, prefix_lens, context).float().log_softmax(-1).topk(WIDTH, dim=-1))
     s = Setup(verifier, config.vocab_size, prefix, dtype, anchor, prefix_lens, topk, head.config.block_size - 1)
     for n in report["budgets"]:
@@ -463,8 +489,10 @@ def table(report: dict) -> str:
         cells = (f"{ms((op, 'kernel', n))} / {ms((op, 'reference', n))}" for n in budgets)
         lines.append(f"  {op:24s}" + "".join(f"{cell:>16}" for cell in cells))
     block = report.get("head", {}).get("block_size", 16)
-    lines.append(f"head draft pass (block {block}, context {prefix}) {ms(('head', 'draft', block))};  "
-                 f"head context_kv (8 tokens) {ms(('head', 'context_kv', 8))};  "
+    lines.append(f"head draft pass (block {block}, context {prefix}): dense {ms(('head', 'draft', block))}, "
+                 f"SGLang paged {ms(('head', 'paged_eager', block))}, paged from graph {ms(('head', 'paged_graph', block))}")
+    lines.append(f"  draft paths max |logit diff|: {report.get('draft_paths', {})}")
+    lines.append(f"head context_kv (8 tokens) {ms(('head', 'context_kv', 8))};  "
                  f"target prefill ({prefix}) {ms(('prefill', 'hf_sdpa', prefix))}")
     check = report["packed_vs_4d"]
     if check.get("status") == "ok":

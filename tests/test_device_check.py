@@ -26,12 +26,17 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
 
     rows = {(r["name"], r["impl"], r["n"]): r for r in report["rows"]}
     expected = [("prefill", "hf_sdpa", report["prefix"]), ("head", "draft", 16), ("head", "context_kv", 8)]
+    expected += [("head", "paged_eager", 16), ("head", "paged_graph", 16)]
     expected += [("verify", impl, n) for impl in ("hf_sdpa_4d", "packed_mask") for n in BUDGETS]
     expected += [(op, impl, n) for op in KERNEL_OPS for impl in ("kernel", "reference") for n in BUDGETS]
     assert sorted(rows) == sorted(expected)
     for key in expected:
         row = rows[key]
         assert row["status"] == "ok" and row["median_ms"] > 0 and row["iters"] >= 3, (key, row)
+
+    # The SGLang draft path (paged attention, padded graph replay) gives the dense draft's logits.
+    paths = report["draft_paths"]
+    assert paths["paged_vs_dense"] < 1e-4 and paths["graph_vs_eager"] < 1e-5 and paths["logit_scale"] > 0, paths
 
     # The packed (FlashInfer-layout) mask gives the 4D-mask logits: the mask layout is right.
     check = report["packed_vs_4d"]
