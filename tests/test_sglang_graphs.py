@@ -134,3 +134,21 @@ def test_round_verify_input_matches_the_capture_form(sglang_with_plugins):
     assert verify.custom_mask.numel() == 20 * int((seq_lens + 20).sum())  # FULL_MASK
     assert verify.seq_lens_sum == 22 and torch.equal(verify.seq_lens_cpu, seq_lens)
     assert torch.equal(verify.retrieve_index, torch.arange(60).view(3, 20))
+
+
+@pytest.mark.parametrize(
+    "given, accepted",
+    [({}, "jetflow_cpu"), ({"attention_backend": "triton"}, "triton"), ({"attention_backend": "torch_native"}, None),
+     ({"decode_attention_backend": "torch_native"}, None)],
+)  # fmt: skip
+def test_attention_backend_must_apply_the_tree_mask(assets, given, accepted):
+    from sglang.srt import runtime_context
+
+    if accepted is None:
+        (field, backend), = given.items()
+        flag = "--" + field.replace("_", "-")
+        with pytest.raises(ValueError, match=f"JETFLOW: {flag} {backend} cannot verify draft trees"):
+            _context(assets, 64, **given)
+        return
+    with runtime_context.use_context(_context(assets, 64, **given)):
+        assert runtime_context.attention_backends() == (accepted, accepted)

@@ -233,14 +233,15 @@ def _bad_heads(head_dir: str, root: Path) -> dict[str, tuple[str, str]]:
 @pytest.mark.slow
 def test_bad_head_or_budget_refuses_to_start(target_dir, head_dir, tmp_path):
     runs = [
-        (name, path, "64", needle) for name, (path, needle) in _bad_heads(head_dir, tmp_path).items()
-    ] + [("budget0", head_dir, "0", "between 1 and 512"), ("budget513", head_dir, "513", "between 1 and 512")]
-    for name, path, budget, needle in runs:
+        (name, path, "64", needle, []) for name, (path, needle) in _bad_heads(head_dir, tmp_path).items()
+    ] + [
+        ("budget0", head_dir, "0", "between 1 and 512", []),
+        ("budget513", head_dir, "513", "between 1 and 512", []),
+        ("backend", head_dir, "64", "cannot verify draft trees", ["--attention-backend", "torch_native"]),
+    ]
+    for name, path, budget, needle, extra in runs:
         code, output = sglang_server.run_to_exit(
-            target_dir, tmp_path / f"{name}.log",
-            "--speculative-algorithm", "JETFLOW",
-            "--speculative-draft-model-path", path,
-            "--speculative-num-draft-tokens", budget,
-        )  # fmt: skip
+            target_dir, tmp_path / f"{name}.log", *sglang_server.jetflow_args(path, int(budget)), *extra
+        )
         assert code not in (0, -1), f"{name}: server did not refuse (exit {code})"
         assert "JETFLOW" in output and needle in output, f"{name}: {output[-1500:]}"

@@ -12,7 +12,8 @@ Flags are SGLang's own: ``--speculative-draft-model-path`` (the head directory),
 ``--speculative-eagle-topk`` (tree width, default 7). The head's config.json
 carries the block size and the target tap layers. Unless ``--max-running-requests`` is
 given, it becomes ``VERIFY_TOKENS_PER_BATCH // budget`` (128 at budget 16, 8 at 256), so the
-verify graphs and buffers stay the same size whatever the budget.
+verify graphs and buffers stay the same size whatever the budget. The attention backend must
+apply the tree mask in TARGET_VERIFY (``TREE_MASK_BACKENDS``); FlashInfer is the GPU default.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ DEFAULT_WIDTH = 7
 # Default cap on requests x budget per verify batch: SGLang sizes its verify CUDA graphs and their
 # logits buffer (rows x vocab x 4 bytes, 1.2 GB for a 152k vocab) from max batch x budget.
 VERIFY_TOKENS_PER_BATCH = 2048
+# Attention backends whose TARGET_VERIFY applies spec_info.custom_mask to any tree (others, e.g.
+# trtllm_mha or torch_native, would verify a causal chain and lose losslessness).
+TREE_MASK_BACKENDS = ("flashinfer", "triton", "jetflow_cpu")
+DEFAULT_GPU_BACKEND = "flashinfer"
 GREEDY_ONLY = (
     "JETFLOW speculative decoding supports greedy decoding only for now "
     "(temperature 0 or top_k 1); got {what}"
@@ -110,6 +115,7 @@ def validate_server_args(server_args) -> None:
         )
     if server_args.speculative_num_steps is None:
         server_args.speculative_num_steps = depths
+    _check_attention_backends(server_args)
     if server_args.max_running_requests is None:
         server_args.max_running_requests = max(1, VERIFY_TOKENS_PER_BATCH // int(budget))
     if getattr(server_args, "pp_size", 1) > 1:
@@ -118,6 +124,19 @@ def validate_server_args(server_args) -> None:
         _fail("DP attention is not supported")
     if getattr(server_args, "disaggregation_mode", "null") not in (None, "null"):
         _fail("prefill/decode disaggregation is not supported")
+
+
+def _check_attention_backends(server_args) -> None:
+    if server_args.attention_backend is None:  # the CPU platform has set its own by now
+        server_args.attention_backend = DEFAULT_GPU_BACKEND
+    for field in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+        backend = getattr(server_args, field, None)
+        if backend is not None and backend not in TREE_MASK_BACKENDS:
+            flag = "--" + field.replace("_", "-")
+            _fail(
+                f"{flag} {backend} cannot verify draft trees (no custom attention mask in TARGET_VERIFY); "
+                f"use one of {', '.join(TREE_MASK_BACKENDS)}"
+            )
 
 
 def request_error(req) -> Optional[str]:
