@@ -178,7 +178,7 @@ def test_triton_kernels_in_the_worker_are_lossless(target_dir, head_dir, cases, 
     finally:
         server.stop()
     text = log.read_text()
-    assert "tree kernels: triton (interpreter)" in text and "draft pass padded to batch sizes" in text
+    assert "jetflow kernels: triton (interpreter)" in text and "draft pass padded to batch sizes" in text
     for i, out in zip(picked, outputs):
         assert out["output_ids"] == reference["output_ids"][i], i
     oracle_meta = outputs[-1]["meta_info"]

@@ -131,12 +131,13 @@ class JetFlowWorker(BaseSpecWorker):
         context_len = int(self.model_runner.model_config.context_len)
         logits_mib = verify_tokens * self.vocab_size * 4 / 2**20
         mask_mib = verify_tokens * (context_len + self.budget) / 2**20
-        context_mib = 2 * self.proposer.keys.numel() * self.proposer.keys.element_size() / 2**20
+        keys = self.head_proposer.keys
+        context_mib = 2 * keys.numel() * keys.element_size() / 2**20
         return (
             f"budget {self.budget}, width {self.width}, block {self.block_size}; up to {max_bs} requests "
             f"per verify ({verify_tokens} tree tokens): verify logits {logits_mib:.1f} MiB, tree mask at "
             f"context {context_len} {mask_mib:.1f} MiB; head context K/V {context_mib:.1f} MiB for "
-            f"{num_slots} KV slots; tree kernels: {backend_name(self.device)}"
+            f"{num_slots} KV slots; jetflow kernels: {backend_name(self.device)}"
         )
 
     # -- forward -----------------------------------------------------------------------
