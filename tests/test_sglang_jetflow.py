@@ -88,9 +88,17 @@ def cases(target_dir) -> list[dict]:
     return out
 
 
-def _generate(url: str, ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> dict:
+def _generate(url: str, ids: list[int], max_new_tokens: int, ignore_eos: bool = False, **extra) -> dict:
     params = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}
-    return sglang_server.post(url + "/generate", {"input_ids": ids, "sampling_params": params})
+    return sglang_server.post(url + "/generate", {"input_ids": ids, "sampling_params": params, **extra})
+
+
+LOGPROB_CASES = [0, 3, 8, 12]  # two head-drafted, two oracle-drafted (multi-token commits)
+
+
+def _with_logprobs(url: str, cases: list[dict]) -> list[dict]:
+    outputs = [_generate(url, cases[i]["ids"], cases[i]["max_new_tokens"], return_logprob=True) for i in LOGPROB_CASES]
+    return [{"ids": o["output_ids"], "logprobs": [t[0] for t in o["meta_info"]["output_token_logprobs"]]} for o in outputs]
 
 
 def _run_all(url: str, cases: list[dict], concurrency: int) -> list[dict]:
@@ -112,11 +120,12 @@ def reference(target_dir, cases, tmp_path_factory) -> dict:
                     [c for c in cases if c["oracle"]],
                 )
             )
+        logprobs = _with_logprobs(server.url, cases)
     finally:
         server.stop()
     oracle_file = work / "oracle.json"
     oracle_file.write_text(json.dumps([[c["ids"], o["output_ids"]] for c, o in zip([c for c in cases if c["oracle"]], long)]))
-    return {"output_ids": [o["output_ids"] for o in outputs], "oracle_file": str(oracle_file)}
+    return {"output_ids": [o["output_ids"] for o in outputs], "oracle_file": str(oracle_file), "logprobs": logprobs}
 
 
 @pytest.fixture(scope="module", params=BUDGETS, ids=[f"budget{b}" for b in BUDGETS])
@@ -195,14 +204,37 @@ def test_repeated_prompt_hits_radix_cache(jetflow_server, cases, reference):
 
 
 @pytest.mark.slow
-def test_sampling_and_grammar_requests_are_refused(jetflow_server, cases):
+def test_output_logprobs_equal_no_spec(jetflow_server, cases, reference):
+    """Logprobs of committed tokens come from the verify row of the node that predicted each one."""
+    for i, got, want in zip(LOGPROB_CASES, _with_logprobs(jetflow_server.url, cases), reference["logprobs"]):
+        assert got["ids"] == want["ids"], i
+        assert len(got["logprobs"]) == len(want["logprobs"]) == len(want["ids"])
+        assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])) < 1e-3, (i, got, want)
+
+
+@pytest.mark.slow
+def test_requests_jetflow_would_serve_differently_are_refused(jetflow_server, cases, reference):
+    """Sampling, grammars and anything that changes the target's logits before the pick get a
+    400 naming it (the tree walk would ignore it); the server keeps serving."""
     import urllib.error
 
     ids = cases[0]["ids"]
-    for params in ({"temperature": 0.7, "max_new_tokens": 4}, {"temperature": 0, "max_new_tokens": 4, "regex": "[0-9]+"}):
+    refused = [
+        ({"temperature": 0.7}, {}, "greedy decoding only"),
+        ({"regex": "[0-9]+"}, {}, "greedy decoding only"),
+        ({"repetition_penalty": 1.3}, {}, "repetition_penalty"),
+        ({"frequency_penalty": 0.5}, {}, "frequency_penalty"),
+        ({"presence_penalty": 0.5}, {}, "presence_penalty"),
+        ({"min_new_tokens": 2}, {}, "min_new_tokens"),
+        ({"logit_bias": {"198": -5.0}}, {}, "logit_bias"),
+        ({}, {"return_logprob": True, "top_logprobs_num": 3}, "top_logprobs_num"),
+    ]
+    for params, extra, needle in refused:
+        body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 4, **params}, **extra}
         with pytest.raises(urllib.error.HTTPError) as info:
-            sglang_server.post(jetflow_server.url + "/generate", {"input_ids": ids, "sampling_params": params})
-        assert "greedy decoding only" in info.value.read().decode()
+            sglang_server.post(jetflow_server.url + "/generate", body)
+        assert needle in info.value.read().decode(), needle
+    assert _generate(jetflow_server.url, ids, cases[0]["max_new_tokens"])["output_ids"] == reference["output_ids"][0]
 
 
 # ------------------------------------------------------------ refusing to start

@@ -139,8 +139,15 @@ def _check_attention_backends(server_args) -> None:
             )
 
 
+UNSUPPORTED = "JETFLOW speculative decoding does not support {what} yet"
+
+
 def request_error(req) -> Optional[str]:
-    """Why JETFLOW cannot serve this request correctly, or None (greedy, no grammar)."""
+    """Why JETFLOW cannot serve this request exactly as the target alone would, or None.
+
+    Served: greedy decoding, stop conditions, output logprobs. Refused: sampling, grammars,
+    and every option that changes the target's logits before the pick (penalties, logit
+    bias, min_new_tokens, custom logit processors), since the tree walk would not see it."""
     params = req.sampling_params
     if getattr(params, "max_new_tokens", None) == 0:
         return None  # prefill only (scoring, frontend `select`): nothing is ever decoded
@@ -151,6 +158,24 @@ def request_error(req) -> Optional[str]:
     for field in ("json_schema", "regex", "ebnf", "structural_tag"):
         if getattr(params, field, None):
             return GREEDY_ONLY.format(what=f"a {field} grammar constraint (not supported yet)")
+    for field, neutral in (
+        ("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0), ("min_new_tokens", 0),
+    ):  # fmt: skip
+        value = getattr(params, field, neutral)
+        if value is not None and value != neutral:
+            return UNSUPPORTED.format(what=f"{field} {value}")
+    if getattr(params, "logit_bias", None):
+        return UNSUPPORTED.format(what="logit_bias")
+    if getattr(req, "custom_logit_processor", None):
+        return UNSUPPORTED.format(what="custom logit processors")
+    if getattr(req, "return_hidden_states", False):
+        return UNSUPPORTED.format(what="return_hidden_states")
+    logprob = getattr(req, "logprob", None)
+    if getattr(req, "return_logprob", False) and logprob is not None:
+        if getattr(logprob, "top_logprobs_num", 0):
+            return UNSUPPORTED.format(what="top_logprobs_num (output token logprobs are supported)")
+        if getattr(logprob, "token_ids_logprob", None):
+            return UNSUPPORTED.format(what="token_ids_logprob (output token logprobs are supported)")
     return None
 
 

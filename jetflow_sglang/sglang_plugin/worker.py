@@ -272,6 +272,9 @@ class JetFlowWorker(BaseSpecWorker):
         logits_output.hidden_states = None
 
         committed = acceptance.committed_tokens(tree)[:, :span]
+        if batch.return_logprob:  # per request, its committed tokens' log-probs (SGLang slices accept_lens)
+            logits = logits_output.next_token_logits.view(bs, budget, -1)
+            logits_output.next_token_logprobs = committed_logprobs(logits, path, committed)
         next_token_ids = torch.zeros((bs, budget), dtype=torch.int64, device=self.device)
         next_token_ids[:, :span] = committed.clamp(min=0)
         batch.forward_mode = ForwardMode.DECODE
@@ -295,3 +298,12 @@ class JetFlowWorker(BaseSpecWorker):
             can_run_cuda_graph=target.can_run_cuda_graph,
             speculative_num_draft_tokens=budget,
         )
+
+
+def committed_logprobs(logits: torch.Tensor, path: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
+    """[b, span] target log-prob of each committed token at the path node that predicted it.
+    logits: [b, N, V] verify logits; path: [b, span] node indices (-1 past the accepted path);
+    committed: [b, span] tokens (accepted drafts, then the bonus). Entries past a request's
+    committed count are meaningless."""
+    rows = logits.gather(1, path.clamp(min=0)[..., None].expand(-1, -1, logits.shape[-1])).float()
+    return rows.gather(2, committed.clamp(min=0)[..., None])[..., 0] - rows.logsumexp(-1)
