@@ -93,7 +93,17 @@ def _generate(url: str, ids: list[int], max_new_tokens: int, ignore_eos: bool = 
     return sglang_server.post(url + "/generate", {"input_ids": ids, "sampling_params": params, **extra})
 
 
+SAMPLING_CASE = 4  # "The capital of France is": a raw completion, several likely next tokens
+SAMPLING = {"temperature": 1.0, "top_k": 3, "top_p": 0.95, "max_new_tokens": 2}
+SAMPLES = 160
 LOGPROB_CASES = [0, 3, 8, 12]  # two head-drafted, two oracle-drafted (multi-token commits)
+
+
+def _samples(url: str, ids: list[int]) -> list[tuple[int, ...]]:
+    body = {"input_ids": ids, "sampling_params": SAMPLING}
+    with ThreadPoolExecutor(8) as pool:
+        outputs = list(pool.map(lambda _: sglang_server.post(url + "/generate", body), range(SAMPLES)))
+    return [tuple(o["output_ids"]) for o in outputs]
 
 
 def _with_logprobs(url: str, cases: list[dict]) -> list[dict]:
@@ -121,11 +131,13 @@ def reference(target_dir, cases, tmp_path_factory) -> dict:
                 )
             )
         logprobs = _with_logprobs(server.url, cases)
+        samples = _samples(server.url, cases[SAMPLING_CASE]["ids"])
     finally:
         server.stop()
     oracle_file = work / "oracle.json"
     oracle_file.write_text(json.dumps([[c["ids"], o["output_ids"]] for c, o in zip([c for c in cases if c["oracle"]], long)]))
-    return {"output_ids": [o["output_ids"] for o in outputs], "oracle_file": str(oracle_file), "logprobs": logprobs}
+    return {"output_ids": [o["output_ids"] for o in outputs], "oracle_file": str(oracle_file), "logprobs": logprobs,
+            "samples": samples}
 
 
 @pytest.fixture(scope="module", params=BUDGETS, ids=[f"budget{b}" for b in BUDGETS])
@@ -213,15 +225,40 @@ def test_output_logprobs_equal_no_spec(jetflow_server, cases, reference):
 
 
 @pytest.mark.slow
+def test_sampling_follows_the_no_spec_distribution(jetflow_server, cases, reference):
+    """Temperature / top-k / top-p sampling: the JETFLOW server's two-token continuations follow
+    the same distribution as the no-spec server's (chi-square on a contingency table; a server
+    that decoded greedily, or ignored top-k, fails it)."""
+    from collections import Counter
+
+    from scipy.stats import chi2_contingency
+
+    want = Counter(reference["samples"])
+    got = Counter(_samples(jetflow_server.url, cases[SAMPLING_CASE]["ids"]))
+    assert len([o for o, n in want.items() if n >= 10]) >= 2, want  # the check has something to compare
+    common = [o for o in set(want) | set(got) if want[o] + got[o] >= 10]
+    table = [[want[o] for o in common] + [SAMPLES - sum(want[o] for o in common)],
+             [got[o] for o in common] + [SAMPLES - sum(got[o] for o in common)]]
+    if table[0][-1] + table[1][-1] == 0:
+        table = [row[:-1] for row in table]
+    p_value = chi2_contingency(table).pvalue
+    print(f"budget {jetflow_server.budget}: sampling outcomes no-spec {dict(want)} jetflow {dict(got)} p={p_value:.3g}")
+    assert p_value > 1e-4, (table, p_value)
+    assert len(got) >= 2
+
+
+@pytest.mark.slow
 def test_requests_jetflow_would_serve_differently_are_refused(jetflow_server, cases, reference):
-    """Sampling, grammars and anything that changes the target's logits before the pick get a
-    400 naming it (the tree walk would ignore it); the server keeps serving."""
+    """Grammars, min_p, seeded sampling and anything that changes the target's logits before the
+    pick get a 400 naming it (the tree walk would ignore it); the server keeps serving."""
     import urllib.error
 
     ids = cases[0]["ids"]
     refused = [
-        ({"temperature": 0.7}, {}, "greedy decoding only"),
-        ({"regex": "[0-9]+"}, {}, "greedy decoding only"),
+        ({"regex": "[0-9]+"}, {}, "regex grammar"),
+        ({"temperature": 0.7, "min_p": 0.1}, {}, "min_p"),
+        ({"temperature": 0.7, "sampling_seed": 3}, {}, "sampling_seed"),
+        ({"temperature": 0.7}, {"return_logprob": True}, "logprobs of sampled tokens"),
         ({"repetition_penalty": 1.3}, {}, "repetition_penalty"),
         ({"frequency_penalty": 0.5}, {}, "frequency_penalty"),
         ({"presence_penalty": 0.5}, {}, "presence_penalty"),

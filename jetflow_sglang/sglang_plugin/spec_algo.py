@@ -34,10 +34,6 @@ VERIFY_TOKENS_PER_BATCH = 2048
 # trtllm_mha or torch_native, would verify a causal chain and lose losslessness).
 TREE_MASK_BACKENDS = ("flashinfer", "triton", "jetflow_cpu")
 DEFAULT_GPU_BACKEND = "flashinfer"
-GREEDY_ONLY = (
-    "JETFLOW speculative decoding supports greedy decoding only for now "
-    "(temperature 0 or top_k 1); got {what}"
-)
 
 
 class JetFlowSpecAlgo(CustomSpecAlgo):
@@ -145,19 +141,22 @@ UNSUPPORTED = "JETFLOW speculative decoding does not support {what} yet"
 def request_error(req) -> Optional[str]:
     """Why JETFLOW cannot serve this request exactly as the target alone would, or None.
 
-    Served: greedy decoding, stop conditions, output logprobs. Refused: sampling, grammars,
-    and every option that changes the target's logits before the pick (penalties, logit
-    bias, min_new_tokens, custom logit processors), since the tree walk would not see it."""
+    Served: greedy decoding and sampling (temperature, top-k, top-p), stop conditions, output
+    logprobs. Refused: grammars, min_p, seeded sampling, and every option that changes the
+    target's logits before the pick (penalties, logit bias, min_new_tokens, custom logit
+    processors), since the tree walk would not see it."""
     params = req.sampling_params
     if getattr(params, "max_new_tokens", None) == 0:
         return None  # prefill only (scoring, frontend `select`): nothing is ever decoded
     temperature = getattr(params, "temperature", 0.0) or 0.0
-    top_k = getattr(params, "top_k", 1)
-    if temperature > 0 and top_k != 1:
-        return GREEDY_ONLY.format(what=f"temperature {temperature}")
+    sampling = temperature > 0 and getattr(params, "top_k", 1) != 1
+    if sampling and (getattr(params, "min_p", 0.0) or 0.0) > 0:
+        return UNSUPPORTED.format(what=f"min_p {params.min_p}")
+    if sampling and getattr(params, "sampling_seed", None) is not None:
+        return UNSUPPORTED.format(what="sampling_seed")
     for field in ("json_schema", "regex", "ebnf", "structural_tag"):
         if getattr(params, field, None):
-            return GREEDY_ONLY.format(what=f"a {field} grammar constraint (not supported yet)")
+            return UNSUPPORTED.format(what=f"a {field} grammar constraint")
     for field, neutral in (
         ("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0), ("min_new_tokens", 0),
     ):  # fmt: skip
@@ -171,6 +170,8 @@ def request_error(req) -> Optional[str]:
     if getattr(req, "return_hidden_states", False):
         return UNSUPPORTED.format(what="return_hidden_states")
     logprob = getattr(req, "logprob", None)
+    if sampling and getattr(req, "return_logprob", False):
+        return UNSUPPORTED.format(what="logprobs of sampled tokens (greedy requests have them)")
     if getattr(req, "return_logprob", False) and logprob is not None:
         if getattr(logprob, "top_logprobs_num", 0):
             return UNSUPPORTED.format(what="top_logprobs_num (output token logprobs are supported)")

@@ -10,7 +10,8 @@ own buffers, indexed by the target's KV slot ids (radix-cache hits reuse them).
 * Decode: ``batch.seq_lens`` committed tokens have KV; the anchor (the pending
   bonus token, ``spec_info.bonus_tokens``) sits at position ``seq_len``. One draft
   pass -> best-first tree -> one TARGET_VERIFY forward with the FULL_MASK tree mask
-  (graph-captured on GPUs, :mod:`.verify_input`) -> greedy tree walk ->
+  (graph-captured on GPUs, :mod:`.verify_input`) -> tree walk (greedy, or the target's
+  own sampling at each path node) ->
   the accepted path's target KV moves to the front slots ``[seq_len, seq_len + a]``
   and its features become head context K/V there. Committed tokens (accepted drafts
   then the bonus) go at the front of each request's row of width Q.
@@ -39,8 +40,10 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.eagle_utils import eagle_prepare_for_verify
 
-from jetflow_kernels import accept_greedy, backend_name, build_tree_from_topk, tree_masks
+from jetflow_kernels import accept_greedy, accept_sampling, backend_name, build_tree_from_topk, tree_masks
+from jetflow_sglang.accept import Acceptance
 from jetflow_sglang.head import JetFlowHead
+from jetflow_sglang.tree import DraftTree
 
 from .proposer import DraftRequest, HeadProposer, OracleProposer, Proposer
 from .spec_algo import request_error
@@ -122,6 +125,20 @@ class JetFlowWorker(BaseSpecWorker):
         elif os.environ.get(DRAFT_PADDING_ENV) == "1":
             logger.warning("JETFLOW: draft pass padded to batch sizes %s without capture (test)", TEST_DRAFT_BATCH_SIZES)
             self.head_proposer.use_graphs(TEST_DRAFT_BATCH_SIZES, "padded")
+
+    def _accept(self, tree: DraftTree, logits: torch.Tensor, sampling_info) -> Acceptance:
+        """Greedy walk over the target's argmax; with any sampling request in the batch, each
+        path node's target token is drawn from its processed distribution (temperature, top-k,
+        top-p) with a fresh uniform, so committed tokens follow the target's own sampling law.
+        Greedy requests in a mixed batch (top_k 1) take the argmax."""
+        if sampling_info is None or sampling_info.is_all_greedy:
+            return accept_greedy(tree, logits.argmax(-1), max_depth=self.depths)
+        top_ks = sampling_info.top_ks.view(-1).to(torch.int64)
+        temperatures = torch.where(top_ks == 1, 0.0, sampling_info.temperatures.view(-1).float())
+        uniforms = torch.rand(tree.tokens.shape, device=logits.device)
+        return accept_sampling(
+            tree, logits, uniforms, temperatures, top_ks, sampling_info.top_ps.view(-1).float(), max_depth=self.depths
+        )
 
     def buffer_report(self, num_slots: int) -> str:
         """What the budget costs in memory, from the actual batch cap (`--max-running-requests`,
@@ -248,10 +265,9 @@ class JetFlowWorker(BaseSpecWorker):
         verify_batch, _ = eagle_prepare_for_verify(spec_input, self.req_to_token_pool, batch, self.target_worker)
         target = self.target_worker.forward_batch_generation(batch=None, forward_batch=verify_batch, is_verify=True)
         logits_output: LogitsProcessorOutput = target.logits_output
-        picks = logits_output.next_token_logits.argmax(-1).view(bs, budget)
         t = self._tick("verify", t)
 
-        acceptance = accept_greedy(tree, picks, max_depth=self.depths)
+        acceptance = self._accept(tree, logits_output.next_token_logits.view(bs, budget, -1), batch.sampling_info)
         accept_lens = (acceptance.num_accepted + 1).to(torch.int32)
         new_seq_lens = seq_lens + accept_lens
         if on_publish is not None:
