@@ -7,16 +7,17 @@ block keys the head allows (causal for JetFlow, all for a bidirectional DFlash-s
 
 The kernel reads lengths and slots on the device (no host sync, fixed grid), so a draft pass
 made of it can be captured in a CUDA graph. Reference: ``paged_block_attention_reference``,
-the padded gather + SDPA the head runs elsewhere.
+a padded gather feeding the head's own dense attention.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from jetflow_sglang.head import dense_attention
 
 from ._dispatch import next_power_of_2, use_triton
 
@@ -158,18 +159,18 @@ def paged_block_attention_reference(
     seq_lens: Tensor,
     causal: bool,
 ) -> Tensor:
-    batch, heads, block, _ = q.shape
+    """The head's own dense attention (`jetflow_sglang.head.dense_attention`) over each request's
+    context gathered from the cache, padded to the longest and masked."""
+    batch, _, block, _ = q.shape
     device = q.device
     seq_lens = seq_lens.long()
     width = max(int(seq_lens.max()), 1) if batch else 1
-    columns = torch.arange(width, device=device)
-    valid = columns[None, :] < seq_lens[:, None]  # [b, C]
+    valid = torch.arange(width, device=device)[None, :] < seq_lens[:, None]  # [b, C]
     rows = req_to_token[req_pool_indices.long()][:, :width].long()
     slots = torch.where(valid, rows, torch.zeros_like(rows))
-    keys = torch.cat([key_cache[slots].permute(0, 2, 1, 3).to(q.dtype), block_k], 2)
-    values = torch.cat([value_cache[slots].permute(0, 2, 1, 3).to(q.dtype), block_v], 2)
+    context = [(key_cache[slots].permute(0, 2, 1, 3).to(q.dtype), value_cache[slots].permute(0, 2, 1, 3).to(q.dtype))]
     within = torch.ones(block, block, dtype=torch.bool, device=device)
     if causal:
         within = within.tril()
     mask = torch.cat([valid[:, None, :].expand(-1, block, -1), within.expand(batch, -1, -1)], -1)[:, None]
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=heads != block_k.shape[1])
+    return dense_attention(context, mask)(0, q, block_k, block_v)
