@@ -25,7 +25,7 @@ test: $(STAMP)
 # under jetflow_sglang/heads/ (about 2 hours on 2 CPU cores; rerun to resume).
 train-default: $(STAMP)
 	$(VENV)/bin/jetflow prepare
-	$(PY) -m jetflow_sglang.recipe
+	$(PY) -m jetflow_sglang.training.recipe
 
 clean:
 	rm -rf $(VENV) build *.egg-info

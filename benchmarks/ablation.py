@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from jetflow_sglang.recipe import EVAL_SETS, RecipeConfig, Stages, _data_dir
+from jetflow_sglang.training.recipe import EVAL_SETS, RecipeConfig, Stages, _data_dirs, _eval_dtype
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,14 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     stages = Stages(work)
-    data = _data_dir(recipe)
+    regen, corpus, _ = _data_dirs(recipe)
+    data = ",".join(str(d) for d in (regen, corpus) if d is not None)
 
     def evaluate(name: str, head: str, extra: list[str]) -> dict:
         results = {}
         for prompts in EVAL_SETS:
             out = stages.run(f"eval-{name}-{prompts}", [
                 "eval", "--head", head, "--prompts", prompts, "--limit", str(args.limit), "--budgets", str(args.budget),
-                "--max-new-tokens", str(args.max_new_tokens), "--dtype", recipe.eval_dtype, "--json", *extra,
+                "--max-new-tokens", str(args.max_new_tokens), "--dtype", _eval_dtype(recipe), "--json", *extra,
             ])
             results[prompts] = json.loads(out.strip().splitlines()[-1])
         return results
@@ -53,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     for loss in ("fkl", "rkl", "sft"):
         stages.run(f"train-{loss}", [
             "train", "--data", str(data), "--out", str(work / loss), "--loss", loss, "--steps", str(args.steps),
-            "--batch-tokens", str(recipe.batch_tokens), "--lr", str(recipe.lr), "--warmup-steps", str(recipe.warmup_steps),
+            "--batch-tokens", str(recipe.batch_tokens), "--anchor-fraction", str(recipe.anchor_fraction),
+            "--draft-vocab", str(recipe.draft_vocab), "--lr", str(recipe.lr), "--warmup-steps", str(recipe.warmup_steps),
         ])
         rows[loss] = evaluate(loss, str(work / loss), [])
     header = f"{'run':<10}" + "".join(f"{p + ' tau':>22}{'speedup':>10}" for p in EVAL_SETS)

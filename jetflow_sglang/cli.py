@@ -86,7 +86,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_regenerate(args: argparse.Namespace) -> None:
-    from jetflow_sglang.regenerate import RegenerateConfig, regenerate
+    from jetflow_sglang.training.regenerate import RegenerateConfig, regenerate
 
     report = regenerate(_config_from_args(RegenerateConfig, args))
     report.pop("config", None)
@@ -94,7 +94,7 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from jetflow_sglang.train import TrainConfig, train
+    from jetflow_sglang.training.train import TrainConfig, train
 
     print(json.dumps(train(_config_from_args(TrainConfig, args))), flush=True)
 
@@ -113,9 +113,23 @@ def _budgets(text: str) -> tuple[int, ...]:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from jetflow_sglang.evaluate import EvalConfig, evaluate
+    from jetflow_sglang.training.evaluate import EvalConfig, evaluate
 
-    for row in evaluate(_config_from_args(EvalConfig, args, dtype=DTYPES[args.dtype])):
+    config = _config_from_args(EvalConfig, args, dtype=DTYPES[args.dtype])
+    if config.per_depth:
+        from jetflow_sglang.training.evaluate import evaluate_per_depth
+
+        row = evaluate_per_depth(config)
+        if args.json:
+            print(json.dumps(row), flush=True)
+            return
+        depths = len(row["top1"])
+        print(f"{'depth':>8}" + "".join(f"{d:>6}" for d in range(1, depths + 1)) + f"{'chain tau':>11}")
+        print(f"{'head':>8}" + "".join(f"{x:>6.2f}" for x in row["top1"]) + f"{row['chain_tau']:>11.3f}")
+        print(f"{'lookup':>8}" + "".join(f"{x:>6.2f}" for x in row["lookup_top1"]) + f"{row['lookup_chain_tau']:>11.3f}")
+        print(f"{row['blocks']} anchors of the target's greedy continuations of {row['prompts']}", flush=True)
+        return
+    for row in evaluate(config):
         if args.json:
             print(json.dumps(row), flush=True)
         else:
@@ -184,47 +198,60 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     regen = sub.add_parser("regenerate", help="write training data: prompts answered by the target itself")
-    regen.add_argument("--target", default="default")
-    regen.add_argument("--prompts", default="sharegpt", help="sharegpt, sharegpt-heldout, humaneval, or a JSON/JSONL file")
-    regen.add_argument("--limit", type=_positive("limit"), default=None)
-    regen.add_argument("--max-new-tokens", type=_positive("max new tokens"), default=256)
-    regen.add_argument("--temperature", type=float, default=0.0)
-    regen.add_argument("--seed", type=int, default=0)
-    regen.add_argument("--batch-size", type=_positive("batch size"), default=32)
-    regen.add_argument("--backend", choices=["auto", "sglang", "hf"], default="auto")
-    regen.add_argument("--out", required=True)
+    regen.add_argument("--target", default="default", help="default or a HF model directory")
+    regen.add_argument("--prompts", default="sharegpt",
+                       help="sharegpt, sharegpt-validation, sharegpt-heldout, humaneval, or a JSON/JSONL file")
+    regen.add_argument("--limit", type=_positive("limit"), default=None, help="answer at most this many prompts")
+    regen.add_argument("--skip", type=int, default=0, help="pass over the first N prompts of the set")
+    regen.add_argument("--max-new-tokens", type=_positive("max new tokens"), default=256, help="answer length cap")
+    regen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    regen.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    regen.add_argument("--batch-size", type=_positive("batch size"), default=32, help="prompts per engine call")
+    regen.add_argument("--backend", choices=["auto", "sglang", "hf", "corpus"], default="auto",
+                       help="who answers: SGLang's Engine, HF generate, or the corpus itself (teacher-forced in training)")
+    regen.add_argument("--out", required=True, help="data directory (shards + meta.json); reruns resume")
     regen.set_defaults(func=cmd_regenerate)
 
     tr = sub.add_parser("train", help="train a JetFlow head on regenerated data")
-    tr.add_argument("--target", default="default")
-    tr.add_argument("--data", required=True)
-    tr.add_argument("--out", required=True)
-    tr.add_argument("--loss", choices=["fkl", "rkl", "sft"], default="fkl")
-    tr.add_argument("--mask", choices=["causal", "bidirectional"], default="causal")
-    tr.add_argument("--block-size", type=int, default=16)
-    tr.add_argument("--layers", type=_positive("layers"), default=2)
-    tr.add_argument("--steps", type=_positive("steps"), default=1000)
-    tr.add_argument("--batch-tokens", type=_positive("batch tokens"), default=4096)
-    tr.add_argument("--lr", type=float, default=None)
-    tr.add_argument("--warmup-steps", type=int, default=None)
+    tr.add_argument("--target", default="default", help="default or a HF model directory")
+    tr.add_argument("--data", required=True, help="data directory, or several joined by commas")
+    tr.add_argument("--val-data", default=None, help="data directory for held-out per-depth metrics at checkpoints")
+    tr.add_argument("--out", required=True, help="head directory (checkpoints and resume state)")
+    tr.add_argument("--loss", choices=["fkl", "rkl", "sft"], default="fkl", help="forward KL, reverse KL or hard labels")
+    tr.add_argument("--mask", choices=["causal", "bidirectional"], default="causal",
+                    help="within-block mask: causal (JetFlow) or bidirectional (DFlash-T baseline)")
+    tr.add_argument("--block-size", type=int, default=16, help="block length: anchor + draft depths")
+    tr.add_argument("--layers", type=_positive("layers"), default=2, help="head decoder layers")
+    tr.add_argument("--steps", type=_positive("steps"), default=1000, help="optimizer steps")
+    tr.add_argument("--batch-tokens", type=_positive("batch tokens"), default=4096, help="target tokens per step")
+    tr.add_argument("--anchor-fraction", type=float, default=None,
+                    help="share of each sequence's response positions drafted from per step (default 1: all)")
+    tr.add_argument("--draft-vocab", type=int, default=None,
+                    help="draft over the N most frequent target tokens of the data (default 16384; 0 = all)")
+    tr.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW, cosine)")
+    tr.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps")
     tr.add_argument("--reveal", type=float, default=None, help="share of blocks that reveal a prefix of true tokens")
     tr.add_argument("--init-from-target", action=argparse.BooleanOptionalAction, default=None,
-                    help="start the head's layers as copies of the target's last layers (default: on)")
-    tr.add_argument("--checkpoint-every", type=_positive("checkpoint every"), default=None)
-    tr.add_argument("--seed", type=int, default=None)
-    tr.add_argument("--resume", action="store_true")
+                    help="start the head's layers as copies of the target's last layers (default: off)")
+    tr.add_argument("--checkpoint-every", type=_positive("checkpoint every"), default=None,
+                    help="steps between checkpoints (and held-out metrics)")
+    tr.add_argument("--val-blocks", type=_positive("val blocks"), default=None, help="held-out blocks scored per checkpoint")
+    tr.add_argument("--seed", type=int, default=None, help="data order and init seed")
+    tr.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     tr.set_defaults(func=cmd_train)
 
     ev = sub.add_parser("eval", help="tau and speedup per budget on the reference engine (greedy)")
-    ev.add_argument("--target", default="default")
+    ev.add_argument("--target", default="default", help="default or a HF model directory")
     ev.add_argument("--head", default="default", help="default, dflash-t, random, or a head directory")
     ev.add_argument("--prompts", default="humaneval", help="humaneval, sharegpt-heldout, or a JSON/JSONL file")
-    ev.add_argument("--limit", type=_positive("limit"), default=40)
-    ev.add_argument("--budgets", type=_budgets, default=(16, 32, 64, 128, 256))
-    ev.add_argument("--max-new-tokens", type=_positive("max new tokens"), default=128)
-    ev.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ev.add_argument("--limit", type=_positive("limit"), default=40, help="first N prompts of the set")
+    ev.add_argument("--budgets", type=_budgets, default=(16, 32, 64, 128, 256), help="comma-separated tree budgets")
+    ev.add_argument("--max-new-tokens", type=_positive("max new tokens"), default=128, help="new tokens per prompt")
+    ev.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target and head dtype")
     ev.add_argument("--refresh", action="store_true", help="re-expand each tree after a path-conditioned head pass")
-    ev.add_argument("--json", action="store_true")
+    ev.add_argument("--per-depth", action="store_true",
+                    help="top-1 per draft depth and chain tau of the head beside prompt lookup, on the same anchors")
+    ev.add_argument("--json", action="store_true", help="print JSON lines")
     ev.set_defaults(func=cmd_eval)
 
     serve = sub.add_parser(

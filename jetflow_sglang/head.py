@@ -5,6 +5,13 @@ The target's embedding and lm_head are shared and frozen: the head borrows them
 (`bind_target`) and never saves them. The MASK embedding is the head's own
 parameter; `mask_token_id` is a virtual id one past the target vocabulary, so the
 target's vocabulary never grows.
+
+A head may draft over a pruned vocabulary (FR-Spec style): `draft_vocab` holds the
+target ids of the K most frequent tokens of its training data (saved with the
+weights), and the draft lm_head is those K rows of the target's. Draft logits are
+still returned over the target vocabulary (-inf outside the draft vocabulary), so
+trees and every engine stay unchanged; the target verifies over its full vocabulary,
+so output stays lossless.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ class JetFlowConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
     mask_token_id: int = -1  # -1: target_vocab_size (a virtual id past the target vocabulary)
+    draft_vocab_size: int = 0  # 0: draft over the whole target vocabulary; else over `draft_vocab` ids only
 
     def __post_init__(self) -> None:
         if self.mask_token_id < 0:
@@ -61,6 +69,8 @@ class JetFlowConfig:
             raise JetFlowError(f"the head needs at least one layer, got {self.num_layers}")
         if not self.target_layer_ids:
             raise JetFlowError("the head needs at least one target tap layer")
+        if not 0 <= self.draft_vocab_size <= self.target_vocab_size:
+            raise JetFlowError(f"draft vocabulary size must be in 0..{self.target_vocab_size}, got {self.draft_vocab_size}")
 
     @property
     def hidden_size(self) -> int:
@@ -227,8 +237,13 @@ class JetFlowHead(nn.Module):
         self.mask_embedding = nn.Parameter(torch.zeros(hidden))
         inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if config.draft_vocab_size:
+            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size))
+        else:
+            self.draft_vocab = None
         self._target_embedding: Tensor | None = None
         self._target_lm_head: Tensor | None = None
+        self._draft_lm_head: Tensor | None = None
 
     def init_weights(self, seed: int = 0) -> "JetFlowHead":
         generator = torch.Generator().manual_seed(seed)
@@ -245,6 +260,20 @@ class JetFlowHead(nn.Module):
         """Share the frozen target embedding [V, H] and lm_head [V, H] (never part of state_dict)."""
         # Plain (detached) tensors: assigning an nn.Parameter would register it as the head's own.
         self._target_embedding, self._target_lm_head = embedding.detach(), lm_head.detach()
+        self._draft_lm_head = None
+        if self.draft_vocab is not None:
+            self._draft_lm_head = self._target_lm_head.index_select(0, self.draft_vocab.to(lm_head.device))
+        return self
+
+    def set_draft_vocab(self, target_ids: Tensor) -> "JetFlowHead":
+        """Draft over these target ids only (e.g. the most frequent tokens of the training data)."""
+        if target_ids.dim() != 1 or len(target_ids) != self.config.draft_vocab_size:
+            raise JetFlowError(f"draft vocabulary needs {self.config.draft_vocab_size} ids, got shape {tuple(target_ids.shape)}")
+        if len(target_ids.unique()) != len(target_ids) or int(target_ids.min()) < 0 or int(target_ids.max()) >= self.config.target_vocab_size:
+            raise JetFlowError("draft vocabulary ids must be distinct target ids")
+        self.draft_vocab.copy_(target_ids.to(self.draft_vocab.device))
+        if self._target_lm_head is not None:
+            self.bind_target(self._target_embedding, self._target_lm_head)
         return self
 
     # -- the pieces every engine uses -------------------------------------------------
@@ -286,8 +315,18 @@ class JetFlowHead(nn.Module):
             hidden = layer(hidden, positions, self.inv_freq, functools.partial(attention, index))
         return self.norm(hidden)
 
+    def draft_vocab_logits(self, hidden: Tensor) -> Tensor:
+        """Logits over the draft vocabulary [..., K] (the whole target vocabulary when not pruned)."""
+        lm_head = self._target_lm_head if self._draft_lm_head is None else self._draft_lm_head
+        return F.linear(hidden, lm_head.to(hidden.dtype))
+
     def logits(self, hidden: Tensor) -> Tensor:
-        return F.linear(hidden, self._target_lm_head.to(hidden.dtype))
+        """Logits over the target vocabulary [..., V]; -inf outside a pruned draft vocabulary."""
+        logits = self.draft_vocab_logits(hidden)
+        if self.draft_vocab is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.target_vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_vocab, logits)
 
     def draft(self, anchors: Tensor, anchor_positions: Tensor, context: list[tuple[Tensor, Tensor]], context_valid: Tensor | None = None) -> Tensor:
         """Draft logits for depths 1..B-1 [b, B-1, V] from one pass over [anchor, MASK...].
@@ -383,4 +422,8 @@ class JetFlowHead(nn.Module):
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()[1:2] or [str(exc)]
             raise JetFlowError(f"head weights do not match its config.json: {first[0].strip()}") from None
+        if head.draft_vocab is not None:
+            ids = head.draft_vocab
+            if len(ids.unique()) != len(ids) or int(ids.min()) < 0 or int(ids.max()) >= head.config.target_vocab_size:
+                raise JetFlowError(f"head draft vocabulary holds ids outside the target vocabulary or repeats: {weights_path}")
         return head.to(dtype) if dtype is not None else head

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from jetflow_sglang import server as sglang_server
-from jetflow_sglang.data import Prompt, humaneval_prompts, load_prompts, sharegpt_prompts
+from jetflow_sglang.training.data import Prompt, humaneval_prompts, load_prompts, sharegpt_prompts
 from jetflow_sglang.errors import JetFlowError
 
 DEMO_SHAREGPT, DEMO_HUMANEVAL, DEMO_MAX_CHARS = 3, 3, 400

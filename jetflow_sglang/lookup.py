@@ -1,0 +1,30 @@
+"""Prompt lookup: a training-free drafter that copies what followed an earlier occurrence
+of the context's last tokens (the baseline every trained head is measured against)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def lookup_match(context: Sequence[int], max_ngram: int = 3) -> int:
+    """End index j < len(context) - 1 of the latest earlier occurrence of the longest suffix
+    of `context` (max_ngram tokens down to 1); -1 when even the last token never occurred before."""
+    last = len(context) - 1
+    for n in range(min(max_ngram, last), 0, -1):
+        suffix = list(context[last - n + 1 :])
+        for j in range(last - 1, n - 2, -1):
+            if context[j] == suffix[-1] and list(context[j - n + 1 : j + 1]) == suffix:
+                return j
+    return -1
+
+
+def lookup_draft(context: Sequence[int], depth: int, max_ngram: int = 3) -> list[int]:
+    """Up to `depth` tokens after the context: what followed the latest earlier occurrence of its
+    suffix, continued periodically past the context's end; [] when there is no occurrence."""
+    j = lookup_match(context, max_ngram)
+    if j < 0:
+        return []
+    extended = list(context)
+    for k in range(1, depth + 1):
+        extended.append(extended[j + k])
+    return extended[len(context) :]

@@ -1,0 +1,574 @@
+"""`jetflow train`: distill a JetFlow head from its frozen target on cached target features.
+
+The frozen target runs once over the data (`features.py`: tap features and the target's
+top-k next-token log-probs cached on disk, shared by every head trained on that data),
+so a step runs no target forward and no target lm_head. Per step, a batch of sequences
+(about `batch_tokens` tokens) is drafted from every anchor a of its responses at once
+(or a random share of them): block [x_a, MASK x (B-1)] attends to the context K/V of
+positions < a, which each sequence computes once for all its blocks, and within the
+block causally (or bidirectionally: the DFlash-T baseline). Slot d is trained towards
+the target's distribution for position a+d (its top-k plus the tail mass): forward KL
+(default), reverse KL over the same buckets, or hard-label SFT; uniform over depths,
+none on the anchor slot. The draft lm_head covers the `draft_vocab` most frequent target
+tokens of the data only and runs in chunks, so the logits of a whole step never exist
+at once. With `reveal`, a random prefix of a block holds the true tokens instead of
+MASK, so the head can also refine a drafted path. Under `torchrun` the head trains with
+DistributedDataParallel (gloo on CPU, nccl on CUDA); rank 0 writes checkpoints and the
+held-out per-depth metrics (`validate.py`) at each checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from jetflow_sglang.errors import JetFlowError
+from jetflow_sglang.head import JetFlowConfig, JetFlowHead
+
+LOSSES = ("fkl", "rkl", "sft")
+LOSS_CHUNK_ROWS = 4096  # draft-lm_head rows per chunk of the loss
+
+
+@dataclass
+class TrainConfig:
+    target: str = "default"
+    data: str = "data/regenerated"  # one data directory, or several joined by commas
+    val_data: str = ""  # a data directory for held-out per-depth metrics (none: skip them)
+    out: str = "out/head"
+    loss: str = "fkl"
+    mask: str = "causal"  # causal | bidirectional
+    block_size: int = 16
+    layers: int = 2
+    steps: int = 1000
+    batch_tokens: int = 4096  # target tokens per step; blocks are drawn at their response positions
+    anchor_fraction: float = 1.0  # share of a sequence's response positions drafted from per step
+    max_seq_len: int = 768
+    draft_vocab: int = 16384  # draft over the most frequent target tokens of the data; 0 = all
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    reveal: float = 0.0  # probability that a block reveals a random prefix of true tokens
+    init_from_target: bool = False  # start the head's layers as copies of the target's last layers
+    checkpoint_every: int = 200
+    val_blocks: int = 1024  # held-out blocks scored at each checkpoint
+    seed: int = 0
+    resume: bool = False
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    floor = config.lr * config.min_lr_ratio
+    return floor + 0.5 * (config.lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+# ------------------------------------------------------------------------------- losses
+def soft_label_loss(draft_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, labels: Tensor, loss: str) -> Tensor:
+    """Summed loss over slots. draft_logits: [n, K] over the draft vocabulary; topk_ids: [n, k]
+    the target's top-k tokens as draft-vocabulary ids (-1: outside it); topk_logprobs: [n, k]
+    their target log-probs; labels: [n] the true next token as a draft id (-1: outside it or
+    ignored). Rows with topk_ids all -2 are ignored (no target distribution there).
+
+    fkl is KL(p || q) and rkl KL(q || p) over k+1 buckets: the target's top-k tokens that
+    the draft vocabulary holds, and the tail (every other token); sft is cross-entropy on
+    the label."""
+    dtype = torch.promote_types(draft_logits.dtype, torch.float32)
+    log_q = F.log_softmax(draft_logits.to(dtype), -1)
+    if loss == "sft":
+        valid = labels >= 0
+        return -(log_q.gather(-1, labels.clamp(min=0)[:, None])[:, 0] * valid).sum()
+    valid = (topk_ids > -2).any(-1)
+    in_draft = (topk_ids >= 0).to(dtype)
+    log_p = topk_logprobs.to(dtype)
+    log_q_top = log_q.gather(-1, topk_ids.clamp(min=0))
+    p_top, q_top = log_p.exp() * in_draft, log_q_top.exp() * in_draft
+    p_tail = (1 - p_top.sum(-1)).clamp(min=1e-6)
+    q_tail = (1 - q_top.sum(-1)).clamp(min=1e-6)
+    if loss == "fkl":
+        per_slot = (p_top * (log_p - log_q_top)).sum(-1) + p_tail * (p_tail.log() - q_tail.log())
+    else:
+        per_slot = (q_top * (log_q_top - log_p)).sum(-1) + q_tail * (q_tail.log() - p_tail.log())
+    return (per_slot * valid).sum()
+
+
+def draft_id_map(draft_vocab: Tensor | None, vocab_size: int) -> Tensor:
+    """target id -> draft id (-1 outside the draft vocabulary) [V]."""
+    if draft_vocab is None:
+        return torch.arange(vocab_size)
+    table = torch.full((vocab_size,), -1, dtype=torch.long)
+    table[draft_vocab.cpu()] = torch.arange(len(draft_vocab))
+    return table
+
+
+def most_frequent_tokens(store, size: int, vocab_size: int) -> tuple[Tensor, float]:
+    """The `size` most frequent response tokens of the store (ties: prompt counts, then id), sorted
+    by id, and the share of response tokens they cover."""
+    is_response = torch.zeros(store.num_tokens, dtype=torch.bool)
+    for index in range(len(store)):
+        rows = store.sequence(index)
+        is_response[rows.start + int(store.prompt_lens[index]) : rows.stop] = True
+    counts = torch.bincount(store.input_ids[is_response], minlength=vocab_size).double()
+    tie_break = 1e-9 * torch.bincount(store.input_ids, minlength=vocab_size).double()
+    order = torch.sort(counts + tie_break, descending=True, stable=True).indices[:size]
+    coverage = float(counts[order].sum() / counts.sum()) if counts.sum() > 0 else 0.0
+    return order.sort().values, coverage
+
+
+# ------------------------------------------------------------------------- the forward
+def draw_anchors(lengths: Tensor, starts: Tensor, fraction: float, rng: random.Random) -> tuple[Tensor, Tensor]:
+    """(rows, anchors), sorted by row: anchor a predicts a+1.., needs context (a >= 1) and at
+    least one label (a <= length-2); anchors start one before the response, so every block
+    predicts target-written tokens."""
+    rows, anchors = [], []
+    for row, (length, start) in enumerate(zip(lengths.tolist(), starts.tolist())):
+        candidates = list(range(max(start - 1, 1), length - 1))
+        if fraction < 1.0:
+            candidates = sorted(rng.sample(candidates, max(1, round(fraction * len(candidates))))) if candidates else []
+        rows += [row] * len(candidates)
+        anchors += candidates
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(anchors, dtype=torch.long)
+
+
+def sequence_attention(context: list[tuple[Tensor, Tensor]], rows: Tensor, anchors: Tensor, causal: bool):
+    """Attention for blocks packed from several sequences (blocks sorted by row): block n
+    reads the context K/V of its row (per layer [b, kv_heads, T, d]) at positions <
+    anchors[n], then its own block under the causal or bidirectional mask. One joint
+    softmax per sequence over (context, block) keys; no block-by-block copy of the context."""
+    counts = torch.bincount(rows, minlength=context[0][0].shape[0]).tolist()
+    seq_len = context[0][0].shape[2]
+    block = None
+
+    def attend(layer: int, q: Tensor, block_k: Tensor, block_v: Tensor) -> Tensor:
+        nonlocal block
+        context_k, context_v = context[layer]
+        nb, heads, width, dim = q.shape
+        kv_heads = block_k.shape[1]
+        group = heads // kv_heads
+        if block is None:
+            block = torch.ones(width, width, dtype=torch.bool, device=q.device)
+            block = block.tril() if causal else block
+        outs, first = [], 0
+        for row, count in enumerate(counts):
+            if count == 0:
+                continue
+            blocks = slice(first, first + count)
+            first += count
+            # softmax over (context, block) keys without concatenating them: shared max, two sums
+            q_row = q[blocks].reshape(count, kv_heads, group, width, dim) * dim**-0.5
+            hidden_context = torch.arange(seq_len, device=q.device)[None, :] >= anchors[blocks, None]  # [n, T]
+            scores_context = torch.einsum("nkgqd,ktd->nkgqt", q_row, context_k[row])
+            scores_context = scores_context.masked_fill(hidden_context[:, None, None, None, :], float("-inf"))
+            scores_block = torch.einsum("nkgqd,nkpd->nkgqp", q_row, block_k[blocks]).masked_fill(~block, float("-inf"))
+            top = torch.maximum(scores_context.amax(-1, keepdim=True), scores_block.amax(-1, keepdim=True)).detach()
+            weights_context, weights_block = (scores_context - top).exp(), (scores_block - top).exp()
+            norm = weights_context.sum(-1, keepdim=True) + weights_block.sum(-1, keepdim=True)
+            out = torch.einsum("nkgqt,ktd->nkgqd", weights_context, context_v[row])
+            out = (out + torch.einsum("nkgqp,nkpd->nkgqd", weights_block, block_v[blocks])) / norm
+            outs.append(out.reshape(count, heads, width, dim))
+        return torch.cat(outs)
+
+    return attend
+
+
+def head_forward_sequences(head: JetFlowHead, features: Tensor, input_ids: Tensor, rows: Tensor, anchors: Tensor,
+                           lengths: Tensor, reveal: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """All blocks of a batch in one pass. features: [b, T, F]; input_ids: [b, T]; rows,
+    anchors, reveal: [nb] (sorted by row). Returns the final hidden states of slots 1..B-1
+    [nb, B-1, H] and the sequence position each slot predicts [nb, B-1] (-1 past the end)."""
+    batch, seq_len, _ = features.shape
+    block = head.config.block_size
+    device = features.device
+    offsets = torch.arange(block, device=device)
+    positions = anchors[:, None] + offsets  # [nb, B]
+    in_range = positions < lengths[rows][:, None]
+    true_tokens = input_ids[rows[:, None], positions.clamp(max=seq_len - 1)]
+    revealed = (offsets[None, :] <= reveal[:, None]) & in_range
+    block_tokens = torch.where(revealed, true_tokens, torch.full_like(true_tokens, head.config.mask_token_id))
+    block_tokens[:, 0] = true_tokens[:, 0]
+    context = head.context_kv(features, torch.arange(seq_len, device=device).expand(batch, -1))
+    hidden = head.run_block(block_tokens, positions, sequence_attention(context, rows, anchors, head.config.causal))
+    label_positions = torch.where(in_range, positions, torch.full_like(positions, -1))[:, 1:]
+    return hidden[:, 1:], label_positions
+
+
+class BlockDrafter(torch.nn.Module):
+    """`head_forward_sequences` as a module, so DistributedDataParallel can wrap it."""
+
+    def __init__(self, head: JetFlowHead) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, *args: Tensor) -> tuple[Tensor, Tensor]:
+        return head_forward_sequences(self.head, *args)
+
+
+def slot_targets(store, seq_index: Tensor, label_positions: Tensor, to_draft: Tensor, reveal: Tensor):
+    """Soft and hard labels of every slot [nb, B-1]: the target's top-k at position a+d-1
+    (as draft ids) and the token at a+d. Revealed slots and slots past the end get none."""
+    block = label_positions.shape[1] + 1
+    invalid = (label_positions < 0) | (torch.arange(1, block)[None, :] <= reveal[:, None])
+    token_rows = store.offsets[seq_index][:, None] + label_positions.clamp(min=1)
+    topk_ids = to_draft[store.topk_ids[token_rows - 1]]
+    topk_ids = topk_ids.masked_fill(invalid[..., None], -2)
+    labels = to_draft[store.input_ids[token_rows]].masked_fill(invalid, -1)
+    return topk_ids, store.topk_logprobs[token_rows - 1], labels
+
+
+def fkl_value_and_grad(logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor) -> tuple[Tensor, Tensor]:
+    """`soft_label_loss(..., "fkl")` per row [n] and its gradient with respect to the logits,
+    written into `logits` (whose values are consumed). With S the target's top-k tokens in
+    the draft vocabulary and t the tail bucket: dL/dz_j = q_j - p_j for j in S and
+    q_j (1 - p_t / q_t) elsewhere, so no autograd graph over [n, K] is kept."""
+    valid = (topk_ids > -2).any(-1)
+    in_draft = (topk_ids >= 0).to(logits.dtype)
+    ids = topk_ids.clamp(min=0)
+    log_norm = torch.logsumexp(logits, -1, keepdim=True)
+    log_q_top = logits.gather(-1, ids) - log_norm
+    log_p = topk_logprobs.to(logits.dtype)
+    p_top, q_top = log_p.exp() * in_draft, log_q_top.exp() * in_draft
+    p_tail = (1 - p_top.sum(-1)).clamp(min=1e-6)
+    q_tail = (1 - q_top.sum(-1)).clamp(min=1e-6)
+    per_row = (p_top * (log_p - log_q_top)).sum(-1) + p_tail * (p_tail.log() - q_tail.log())
+    tail_ratio = p_tail / q_tail
+    grad = logits.sub_(log_norm).exp_().mul_((1 - tail_ratio)[:, None])
+    grad.scatter_add_(-1, ids, (q_top * tail_ratio[:, None] - p_top) * in_draft)
+    return per_row * valid, grad.mul_(valid[:, None].to(grad.dtype))
+
+
+def loss_and_backward(head: JetFlowHead, hidden: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, labels: Tensor,
+                      loss: str) -> tuple[float, Tensor, int]:  # fmt: skip
+    """Mean loss over valid slots, its gradient sent back through `hidden`, per-slot top-1
+    hits [nb, B-1] (draft argmax == the true token) and the number of valid slots. The
+    draft lm_head runs over row chunks, so the logits of all slots never exist at once;
+    for fkl the logits' gradient is written analytically (`fkl_value_and_grad`)."""
+    flat = hidden.detach().flatten(0, 1)
+    ids, logprobs, flat_labels = topk_ids.flatten(0, 1), topk_logprobs.flatten(0, 1), labels.flatten()
+    count = max(1, int(((ids > -2).any(-1) if loss != "sft" else flat_labels >= 0).sum()))
+    lm_head = head._target_lm_head if head._draft_lm_head is None else head._draft_lm_head
+    total, hits = 0.0, torch.zeros(len(flat_labels), dtype=torch.bool)
+    grad_flat = torch.empty_like(flat)
+    for first in range(0, len(flat), LOSS_CHUNK_ROWS):
+        rows = slice(first, first + LOSS_CHUNK_ROWS)
+        chunk_labels = flat_labels[rows]
+        if loss == "fkl":
+            logits = head.draft_vocab_logits(flat[rows]).float()
+            hits[rows] = ((logits.argmax(-1) == chunk_labels) & (chunk_labels >= 0)).cpu()
+            value, grad_logits = fkl_value_and_grad(logits, ids[rows], logprobs[rows])
+            value = value.sum() / count
+            grad_flat[rows] = (grad_logits.div_(count) @ lm_head.to(grad_logits.dtype)).to(flat.dtype)
+        else:
+            chunk = flat[rows].clone().requires_grad_()
+            logits = head.draft_vocab_logits(chunk)
+            hits[rows] = ((logits.detach().argmax(-1) == chunk_labels) & (chunk_labels >= 0)).cpu()
+            value = soft_label_loss(logits, ids[rows], logprobs[rows], chunk_labels, loss) / count
+            value.backward()
+            grad_flat[rows] = chunk.grad
+        total += value.detach().item()
+    hidden.backward(grad_flat.view_as(hidden).to(hidden.dtype))
+    return total, hits.view_as(labels), count
+
+
+# --------------------------------------------------------------------------------- data
+class Batches:
+    """Random batches of cached sequences, about `batch_tokens` tokens each."""
+
+    def __init__(self, store, config: TrainConfig) -> None:
+        self.store = store
+        self.config = config
+
+    def get(self, rng: random.Random, pad_id: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """input_ids [b, T], features [b, T, F], lengths [b], response starts [b], sequence indices [b]."""
+        store, chosen, tokens = self.store, [], 0
+        while tokens < self.config.batch_tokens:
+            index = rng.randrange(len(store))
+            chosen.append(index)
+            tokens += int(store.lengths[index])
+        chosen_t = torch.tensor(chosen)
+        lengths = store.lengths[chosen_t]
+        offsets = store.offsets[chosen_t]
+        width = int(lengths.max())
+        columns = torch.arange(width)
+        valid = columns[None, :] < lengths[:, None]
+        rows = (offsets[:, None] + columns[None, :]).clamp(max=store.num_tokens - 1)
+        input_ids = torch.where(valid, store.input_ids[rows], torch.full_like(rows, pad_id))
+        features = store.features[rows] * valid[..., None]
+        return input_ids, features, lengths, store.prompt_lens[chosen_t], chosen_t
+
+
+def _check_config(config: TrainConfig) -> None:
+    if config.loss not in LOSSES:
+        raise JetFlowError(f"--loss must be one of {', '.join(LOSSES)}, got {config.loss!r}")
+    if config.mask not in ("causal", "bidirectional"):
+        raise JetFlowError(f"--mask must be causal or bidirectional, got {config.mask!r}")
+    if config.steps < 1 or config.batch_tokens < 1 or config.layers < 1:
+        raise JetFlowError("steps, batch tokens and layers must be at least 1")
+    if config.block_size < 2:
+        raise JetFlowError(f"block size must be at least 2, got {config.block_size}")
+    if not 0 < config.anchor_fraction <= 1:
+        raise JetFlowError(f"--anchor-fraction must be in (0, 1], got {config.anchor_fraction}")
+    if config.draft_vocab < 0:
+        raise JetFlowError(f"--draft-vocab must be 0 (all) or a positive size, got {config.draft_vocab}")
+
+
+def load_examples(data_dir: Path, tokenizer) -> list[dict]:
+    from jetflow_sglang.training.data import iter_examples, read_meta, tokenizer_fingerprint
+
+    meta = read_meta(data_dir)
+    if meta.get("tokenizer") != tokenizer_fingerprint(tokenizer):
+        raise JetFlowError(f"{data_dir} was made with another tokenizer than the target's")
+    examples = list(iter_examples(data_dir))
+    if not examples:
+        raise JetFlowError(f"{data_dir} holds no examples")
+    return examples
+
+
+def load_store(target, target_dir: Path, data: str, max_seq_len: int, log=print):
+    """The feature store of one data directory or several joined by commas (built once, cached)."""
+    from jetflow_sglang.training.features import FeatureStore, build_or_load
+
+    stores = []
+    for data_dir in [Path(d) for d in data.split(",") if d]:
+        examples = load_examples(data_dir, target.tokenizer)
+        stores.append(build_or_load(target, target_dir, data_dir, examples, max_seq_len, log=log))
+    if not stores:
+        raise JetFlowError("no --data directory given")
+    return FeatureStore.concat(stores)
+
+
+@torch.no_grad()
+def init_from_target(head: JetFlowHead, target_model) -> None:
+    """Head layers start as the target's last layers (the ones that read the last tap's
+    output), the final norm as the target's, and `fc` as a pass-through of the last tap:
+    at step 0 the context K/V the first head layer sees are the target's own."""
+    layers = target_model.model.layers[-head.config.num_layers :]
+    for head_layer, layer in zip(head.layers, layers):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(head_layer, name).weight.copy_(getattr(layer.self_attn, name).weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(head_layer, name).weight.copy_(getattr(layer.mlp, name).weight)
+        head_layer.input_layernorm.weight.copy_(layer.input_layernorm.weight)
+        head_layer.post_attention_layernorm.weight.copy_(layer.post_attention_layernorm.weight)
+    head.norm.weight.copy_(target_model.model.norm.weight)
+    hidden = head.config.target_hidden_size
+    head.fc.weight.zero_()
+    head.fc.weight[:, -hidden:] = torch.eye(hidden)
+    head.hidden_norm.weight.copy_(layers[0].input_layernorm.weight)
+
+
+def _distributed() -> tuple[int, int, torch.device]:
+    """(rank, world size, device); starts the process group under torchrun."""
+    import os
+
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), world, device
+
+
+def train(config: TrainConfig, log=print) -> dict:
+    from tqdm import tqdm
+
+    from jetflow_sglang.assets import resolve_target
+    from jetflow_sglang.target import Target, fast_dtype
+    from jetflow_sglang.training.validate import ValidationSet
+
+    _check_config(config)
+    rank, world, device = _distributed()
+    out = Path(config.out)
+    target_dir = resolve_target(config.target)
+    compute_dtype = fast_dtype() if device.type == "cpu" else torch.bfloat16
+    target = Target(target_dir, dtype=compute_dtype)
+    vocab = target.config.vocab_size
+    draft_vocab_size = config.draft_vocab if 0 < config.draft_vocab < vocab else 0
+    head_config = JetFlowConfig.for_target(
+        target.config, num_layers=config.layers, block_size=config.block_size, causal=config.mask == "causal",
+        draft_vocab_size=draft_vocab_size,
+    )  # fmt: skip
+    if not config.resume and (out / "config.json").exists():
+        raise JetFlowError(f"{out} already holds a head; pass --resume or choose another --out")
+    target.set_tap_layers(head_config.target_layer_ids)
+    quiet = lambda *_: None  # noqa: E731
+    if rank == 0:
+        store = load_store(target, target_dir, config.data, config.max_seq_len, log=log)
+    if world > 1:
+        torch.distributed.barrier()  # rank 0 built the cache; the others only read it
+    if rank != 0:
+        store = load_store(target, target_dir, config.data, config.max_seq_len, log=quiet)
+    val = None
+    if config.val_data and rank == 0:
+        val_store = load_store(target, target_dir, config.val_data, config.max_seq_len, log=log)
+        val = ValidationSet.from_store(val_store, config.block_size, config.val_blocks, seed=config.seed)
+    embedding, lm_head = target.embedding.to(device), target.lm_head.to(device)
+    torch.manual_seed(config.seed)
+    head = JetFlowHead(head_config).init_weights(config.seed)
+    coverage = 1.0
+    if draft_vocab_size:
+        ids, coverage = most_frequent_tokens(store, draft_vocab_size, vocab)
+        head.set_draft_vocab(ids)
+    if config.init_from_target and not config.resume:
+        init_from_target(head, target.model)
+    head = head.to(device).bind_target(embedding, lm_head)
+    del target  # only its embedding and lm_head are needed from here on
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
+    step, history, evals = 0, [], []
+    if config.resume:
+        step, history, evals = _resume(head, optimizer, out, config)
+    to_draft = draft_id_map(head.draft_vocab, vocab)
+    drafter = BlockDrafter(head)
+    if world > 1:
+        drafter = torch.nn.parallel.DistributedDataParallel(drafter)
+    batches = Batches(store, config)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=compute_dtype == torch.bfloat16)
+    head.train()
+    start, first_step, blocks_seen, tokens_seen = time.perf_counter(), step, 0, 0
+    if rank == 0 and val is not None and step == 0:
+        evals.append({"step": 0, **val.score(head)})
+        log(f"held-out at step 0: {_val_line(evals[-1])}")
+    with tqdm(total=config.steps, initial=step, desc="train", unit="step", disable=rank != 0) as bar:
+        while step < config.steps:
+            # Every draw of a step comes from (seed, rank, step): a resumed run repeats it exactly.
+            rng = random.Random(f"{config.seed}/{rank}/{step}")
+            generator = torch.Generator().manual_seed(rng.getrandbits(63))
+            input_ids, features, lengths, starts, seq_index = batches.get(rng, pad_id=0)
+            rows, anchors = draw_anchors(lengths, starts, config.anchor_fraction, rng)
+            revealed = torch.randint(0, config.block_size - 1, (len(rows),), generator=generator)
+            reveal = torch.where(torch.rand(len(rows), generator=generator) < config.reveal, revealed, 0)
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(config, step)
+            batch = [t.to(device) for t in (features, input_ids, rows, anchors, lengths, reveal)]
+            with autocast:
+                hidden, label_positions = drafter(*batch)
+                topk_ids, topk_logprobs, labels = slot_targets(store, seq_index[rows], label_positions.cpu(), to_draft, reveal)
+                loss, hits, _ = loss_and_backward(head, hidden, topk_ids.to(device), topk_logprobs.to(device), labels.to(device), config.loss)
+            torch.nn.utils.clip_grad_norm_(head.parameters(), config.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            blocks_seen += len(rows) * world
+            tokens_seen += int(lengths.sum()) * world
+            predicted = labels >= 0
+            depth_top1 = (hits.sum(0) / predicted.sum(0).clamp(min=1)).tolist()
+            history.append({"step": step, "loss": loss, "lr": learning_rate(config, step - 1), "blocks": len(rows),
+                            "top1": [round(x, 4) for x in depth_top1]})  # fmt: skip
+            elapsed = time.perf_counter() - start
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", top1_d1=f"{depth_top1[0]:.2f}", blocks_s=f"{blocks_seen / elapsed:.0f}")
+            if rank == 0 and (step % config.checkpoint_every == 0 or step == config.steps):
+                if val is not None:
+                    evals.append({"step": step, **val.score(head)})
+                    log(f"held-out at step {step}: {_val_line(evals[-1])}")
+                _checkpoint(head, optimizer, out, config, step, history, evals)
+    seconds = time.perf_counter() - start
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    steps_run = max(1, step - first_step)
+    return {
+        "out": str(out),
+        "steps": step,
+        "final_loss": history[-1]["loss"],
+        "seconds": round(seconds, 1),
+        "seconds_per_step": round(seconds / steps_run, 3),
+        "blocks_per_s": round(blocks_seen / seconds, 1) if seconds > 0 else None,
+        "draft_vocab": draft_vocab_size or vocab,
+        "draft_vocab_coverage": round(coverage, 4),
+        "held_out": evals[-1] if evals else None,
+    }
+
+
+def _val_line(row: dict) -> str:
+    depths = row["top1"]
+    return (f"top-1 d1 {depths[0]:.3f} d2 {depths[1]:.3f} d4 {depths[3]:.3f} d8 {depths[7]:.3f}, "
+            f"chain tau {row['chain_tau']:.3f} (lookup {row['lookup_chain_tau']:.3f})")  # fmt: skip
+
+
+def _checkpoint(head: JetFlowHead, optimizer, out: Path, config: TrainConfig, step: int, history: list, evals: list) -> None:
+    """Head weights (safetensors, bf16: what ships) plus resume state (fp32 weights and optimizer)."""
+    from safetensors.torch import save_file
+
+    from jetflow_sglang.training.validate import plot_per_depth
+
+    out.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(out.name + ".saving")
+    head_bf16 = JetFlowHead(head.config)
+    head_bf16.load_state_dict(head.state_dict())
+    head_bf16.to(torch.bfloat16).save(staging)
+    for path in staging.iterdir():
+        path.replace(out / path.name)
+    staging.rmdir()
+    state = {f"head.{k}": v.detach().contiguous() for k, v in head.state_dict().items()}
+    for index, param in enumerate(head.parameters()):
+        for key, value in optimizer.state.get(param, {}).items():
+            if torch.is_tensor(value):
+                state[f"optim.{index}.{key}"] = value.reshape(-1) if value.dim() == 0 else value.contiguous()
+    save_file(state, str(out / "train_state.safetensors"))
+    meta = {"step": step, "config": asdict(config), "history": history, "held_out": evals}
+    (out / "train_state.json").write_text(json.dumps(meta))
+    plot_loss(history, out / "loss.png", title=f"{config.loss}, {config.mask} mask")
+    if evals:
+        plot_per_depth(evals, out / "per_depth.png")
+
+
+def plot_loss(history: list[dict], path: Path, title: str = "") -> None:
+    """Loss per step (light) and its 50-step running mean."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # the `train` extra is not installed
+        return
+    steps = [h["step"] for h in history]
+    losses = [h["loss"] for h in history]
+    window = 50
+    smooth = [sum(losses[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(losses))]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(steps, losses, alpha=0.3, linewidth=0.8, label="loss")
+    ax.plot(steps, smooth, linewidth=1.5, label=f"mean of {window}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _resume(head: JetFlowHead, optimizer, out: Path, config: TrainConfig) -> tuple[int, list, list]:
+    from safetensors.torch import load_file
+
+    meta_path, state_path = out / "train_state.json", out / "train_state.safetensors"
+    if not meta_path.is_file() or not state_path.is_file():
+        raise JetFlowError(f"nothing to resume in {out}")
+    meta = json.loads(meta_path.read_text())
+    saved = meta["config"]
+    for key in ("loss", "mask", "block_size", "layers", "target", "draft_vocab"):
+        if saved.get(key) != getattr(config, key):
+            raise JetFlowError(f"resume checkpoint in {out} was trained with {key}={saved.get(key)!r}, not {getattr(config, key)!r}")
+    state = load_file(str(state_path))
+    head.load_state_dict({k[len("head.") :]: v for k, v in state.items() if k.startswith("head.")})
+    for index, param in enumerate(head.parameters()):
+        entries = {k.split(".", 2)[2]: v for k, v in state.items() if k.startswith(f"optim.{index}.")}
+        if entries:
+            optimizer.state[param] = {k: (v.reshape(()) if k == "step" else v) for k, v in entries.items()}
+    return int(meta["step"]), list(meta["history"]), list(meta.get("held_out", []))
