@@ -149,3 +149,19 @@ def test_unknown_flags_are_refused_except_by_serve(prepared, capsys):
 def test_eval_refuses_refresh_for_the_bidirectional_baseline(prepared, capsys):
     assert main(["eval", "--head", "dflash-t", "--refresh", "--limit", "1", "--budgets", "4"]) == 2
     assert "needs a causal head" in _error_line(capsys)
+
+
+def test_eval_per_depth_scores_the_head_beside_prompt_lookup(prepared, tmp_path, capsys):
+    """On a prompt whose greedy continuation repeats itself, prompt lookup hits; the table
+    prints both drafters per depth, and --json carries the same numbers."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3,", "kind": "code"}) + "\n")
+    args = ["eval", "--head", "random", "--prompts", str(prompts), "--limit", "1", "--max-new-tokens", "12", "--per-depth"]
+    assert main([*args, "--json"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["per_depth"] and len(row["top1"]) == len(row["lookup_top1"]) == 15
+    assert row["blocks"] >= 11 and row["lookup_top1"][0] > 0.5 and row["lookup_chain_tau"] > 2
+    assert 1.0 <= row["chain_tau"] <= 16 and all(0 <= x <= 1 for x in row["top1"])
+    assert main(args) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:3] == ["depth", "1", "2"] and table[1].startswith("    head") and table[2].startswith("  lookup")

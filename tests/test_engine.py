@@ -53,14 +53,41 @@ def test_shipped_head_is_lossless(target, prompt_ids, greedy_runs, refresh):
     head = JetFlowHead.load(SHIPPED_HEADS / DEFAULT_TARGET_NAME).float().eval().requires_grad_(False)
     head.bind_target(target.embedding, target.lm_head)
     assert head.config.target_layer_ids == target.tap_layers
+    draft_vocab = set(head.draft_vocab.tolist()) if head.draft_vocab is not None else None
+
+    def drafted_only_from_the_draft_vocabulary(position, tree, acceptance):
+        if draft_vocab is not None:
+            assert set(tree.tokens[0, 1:].tolist()) <= draft_vocab
+
     committed = rounds = 0
     for budget in (16, 64):
         engine = ReferenceEngine(target, HeadDrafter(head), budget=budget, refresh=refresh)
         for ids, (reference, _) in zip(prompt_ids, greedy_runs):
-            result = engine.generate(ids, NEW_TOKENS)
+            result = engine.generate(ids, NEW_TOKENS, on_round=drafted_only_from_the_draft_vocabulary)
             assert result.tokens == reference, (budget, ids)
             committed, rounds = committed + len(result.tokens), rounds + result.rounds
     assert committed / rounds > 1.2  # a trained head gets drafts accepted (a random one: 1.0)
+
+
+@pytest.mark.parametrize("budget", [16, 64])
+def test_pruned_vocabulary_head_is_lossless(prepared, target, prompt_ids, greedy_runs, budget):
+    """A head drafting over 2,048 target ids (half of them the greedy runs' own tokens, so
+    some drafts are right) only ever drafts those ids, and the output is still plain decoding."""
+    from jetflow_sglang.assets import build_random_head
+
+    head = build_random_head(prepared["target"], draft_vocab_size=2048).float().eval().requires_grad_(False)
+    seen = sorted({t for reference, _ in greedy_runs for t in reference})
+    rest = [t for t in range(target.config.vocab_size) if t not in set(seen)][: 2048 - len(seen)]
+    head.set_draft_vocab(torch.tensor(sorted(seen + rest)))
+    head.bind_target(target.embedding, target.lm_head)
+    allowed = set(head.draft_vocab.tolist())
+
+    def on_round(position, tree, acceptance):
+        assert set(tree.tokens[0, 1:].tolist()) <= allowed
+
+    engine = ReferenceEngine(target, HeadDrafter(head), budget=budget)
+    for ids, (reference, _) in zip(prompt_ids, greedy_runs):
+        assert engine.generate(ids, RANDOM_HEAD_NEW_TOKENS, on_round=on_round).tokens == reference[:RANDOM_HEAD_NEW_TOKENS]
 
 
 def _longest_true_path(tree, truth: list[int]) -> int:

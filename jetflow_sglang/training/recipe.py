@@ -36,7 +36,7 @@ class RecipeConfig:
     data: str = ""  # target-regenerated answers; default: $JETFLOW_HOME/data/sharegpt-regen
     corpus_data: str = ""  # ShareGPT's own answers; default: $JETFLOW_HOME/data/sharegpt-corpus
     val_data: str = ""  # validation slice's answers; default: $JETFLOW_HOME/data/sharegpt-validation-corpus
-    prompts: int = 900  # first ShareGPT train-split prompts answered by the target (over 512 prompt tokens: skipped)
+    prompts: int = 300  # first ShareGPT train-split prompts answered by the target (over 512 prompt tokens: skipped)
     max_new_tokens: int = 256
     regen_backend: str = "auto"  # auto | sglang | hf
     corpus_prompts: int = 1500  # the next train-split prompts, with ShareGPT's answers; 0: none
