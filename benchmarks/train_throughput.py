@@ -10,9 +10,11 @@ sequences of 150-450 tokens whose last ~70% are the response), so the script nee
 data, only the prepared target (for its embedding and lm_head).
 
 Variants (each adds one lever to the one above it):
-  before        the trainer of commit 4c8a039: 8 anchors per sequence, each block with
-                its own copy of the context K/V under a dense mask, full-vocabulary draft
-                logits, the target's lm_head applied to a cached hidden state per slot
+  before-bf16   the trainer of commit 4c8a039 as it ran: 8 anchors per sequence, each block
+                with its own copy of the context K/V under a dense mask, full-vocabulary
+                draft logits, the target's lm_head applied to a cached hidden state per
+                slot, bf16 autocast (emulated, so slow, on a CPU without AMX/AVX512-BF16)
+  before        the same in this machine's fast dtype (fp32 there): the algorithmic baseline
   packed        every anchor of a sequence in one pass over shared context K/V, loss in
                 row chunks; soft labels: the target's top-k computed per step
   +vocab16k     the draft lm_head over the 16,384 most frequent tokens
@@ -116,7 +118,7 @@ def new_step(head: JetFlowHead, store, final_hidden, lm_head, batches, rng, comp
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="timed steps per variant (median reported)")
-    parser.add_argument("--variants", default="before,packed,+vocab16k,+cached,vocab8k,vocab32k,full-vocab",
+    parser.add_argument("--variants", default="before-bf16,before,packed,+vocab16k,+cached,vocab8k,vocab32k,full-vocab",
                         help="comma-separated subset of the variants")
     parser.add_argument("--batch-tokens", type=int, default=2048, help="target tokens per step (new trainer)")
     parser.add_argument("--anchor-fraction", type=float, default=0.5, help="share of response positions drafted from")
@@ -141,13 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     new_config = T.TrainConfig(batch_tokens=args.batch_tokens, anchor_fraction=args.anchor_fraction)
     old_config = T.TrainConfig(batch_tokens=args.old_batch_tokens)
     variants = {
-        "before": (0, None, old_config),
-        "packed": (0, False, new_config),
-        "+vocab16k": (16384, False, new_config),
-        "+cached": (16384, True, new_config),
-        "vocab8k": (8192, True, new_config),
-        "vocab32k": (32768, True, new_config),
-        "full-vocab": (0, True, new_config),
+        "before-bf16": (0, None, old_config, torch.bfloat16),
+        "before": (0, None, old_config, compute_dtype),
+        "packed": (0, False, new_config, compute_dtype),
+        "+vocab16k": (16384, False, new_config, compute_dtype),
+        "+cached": (16384, True, new_config, compute_dtype),
+        "vocab8k": (8192, True, new_config, compute_dtype),
+        "vocab32k": (32768, True, new_config, compute_dtype),
+        "full-vocab": (0, True, new_config, compute_dtype),
     }
     chosen = [v for v in args.variants.split(",") if v]
     unknown = [v for v in chosen if v not in variants]
@@ -157,15 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     samples: dict[str, list[tuple[float, int, int]]] = {name: [] for name in chosen}
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for name in chosen:
-            draft_vocab, cached, config = variants[name]
+            draft_vocab, cached, config, dtype = variants[name]
             head, to_draft = heads[name]
             batches = T.Batches(store, config)
             rng = random.Random(f"{name}/{round_}")
             start = time.perf_counter()
             if cached is None:
-                blocks = old_step(head, store, final_hidden, lm_head, batches, rng, compute_dtype)
+                blocks = old_step(head, store, final_hidden, lm_head, batches, rng, dtype)
             else:
-                blocks = new_step(head, store, final_hidden, lm_head, batches, rng, compute_dtype, cached, to_draft)
+                blocks = new_step(head, store, final_hidden, lm_head, batches, rng, dtype, cached, to_draft)
             seconds = time.perf_counter() - start
             head.zero_grad(set_to_none=True)
             if round_:

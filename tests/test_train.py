@@ -149,7 +149,9 @@ def test_recipe_at_toy_size_trains_evaluates_and_ships_both_heads(data_dir, tmp_
     }  # fmt: skip
     assert set(report["data"]) == {str(data_dir), str(tmp_path / "corpus")}
     assert all(d["examples"] >= 1 and d["response_tokens"] > 0 for d in report["data"].values())
-    assert json.loads((tmp_path / "corpus" / "meta.json").read_text())["source"] == "corpus"
+    corpus_meta = json.loads((tmp_path / "corpus" / "meta.json").read_text())
+    assert corpus_meta["source"] == "corpus" and corpus_meta["backends"] == ["corpus"]
+    assert json.loads((data_dir / "meta.json").read_text())["backends"] == ["hf"]  # recorded, never a silent fallback
     for name, shipped in SHIPPED_NAMES.items():
         folder = tmp_path / "heads" / shipped
         assert sorted(p.name for p in folder.iterdir()) == [

@@ -33,6 +33,7 @@ class EvalConfig:
     width: int = 7
     dtype: str = "float32"
     refresh: bool = False  # path-conditioned second head pass per round
+    lookup: bool = False  # merge the prompt-lookup continuation into each tree (same budget)
     per_depth: bool = False  # score top-1 per depth against prompt lookup instead of timing the engine
 
 
@@ -57,7 +58,9 @@ def evaluate(config: EvalConfig):
         raise JetFlowError("--refresh needs a causal head (it reads real tokens in place of MASKs); this one is bidirectional")
     prompts: list[Prompt] = load_prompts(config.prompts)[: config.limit]
     engines = {
-        b: ReferenceEngine(target, HeadDrafter(head), budget=b, width=config.width, refresh=config.refresh)
+        b: ReferenceEngine(
+            target, HeadDrafter(head), budget=b, width=config.width, refresh=config.refresh, lookup=config.lookup
+        )
         for b in config.budgets
     }
     per_budget = {b: {"committed": 0, "rounds": 0, "tps": [], "speedup": [], "identical": True} for b in config.budgets}
@@ -81,6 +84,7 @@ def evaluate(config: EvalConfig):
             "prompts": config.prompts,
             "budget": budget,
             "refresh": config.refresh,
+            "lookup": config.lookup,
             "tau": round(stats["committed"] / stats["rounds"], 3) if stats["rounds"] else 1.0,
             "tokens_per_s": round(statistics.median(stats["tps"]), 2),
             "ar_tokens_per_s": round(statistics.median(ar_tps), 2),

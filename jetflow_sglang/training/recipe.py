@@ -211,7 +211,7 @@ def model_card(name: str, report: dict) -> str:
 
 Made by `make train-default` (`python -m jetflow_sglang.training.recipe`). Load it with
 `--head {'default' if name == 'jetflow' else 'dflash-t'}` (`jetflow generate/eval/serve/bench`).
-
+{report.get('note', '')}
 - **Head**: {config['layers']} decoder layers at hidden 576, block size 16, {mask} block mask, bf16 weights
   (the target's embedding and lm_head are shared, not stored). It drafts over the
   {train['draft_vocab']:,} most frequent target tokens of its data (covering {train['draft_vocab_coverage']:.1%} of

@@ -159,9 +159,12 @@ def regenerate(config: RegenerateConfig) -> dict:
         previous = read_meta(out)
         if previous.get("tokenizer") != meta["tokenizer"]:
             raise JetFlowError(f"{out} holds data made with another tokenizer; use a new --out")
+        if previous.get("source", "target") != meta["source"]:
+            raise JetFlowError(f"{out} holds answers from the {previous.get('source', 'target')}, not the {meta['source']}; use a new --out")
         done = {row["id"] for row in iter_examples(out)}
+        earlier_backends = list(previous.get("backends", []))
     else:
-        done = set()
+        done, earlier_backends = set(), []
     prompts = load_prompts(config.prompts)[config.skip :][: config.limit]
     todo, answers = [], {}
     for prompt in prompts:
@@ -173,13 +176,16 @@ def regenerate(config: RegenerateConfig) -> dict:
             answers[tuple(ids)] = prompt.answer
     todo.sort(key=lambda item: len(item[1]))  # similar lengths batch together
     out.mkdir(parents=True, exist_ok=True)
-    write_meta(out, meta)
+    write_meta(out, {**meta, "backends": earlier_backends})
     if not todo:
         return {"out": str(out), "examples": len(done), "new": 0}
 
     from tqdm import tqdm
 
     backend = CorpusBackend(tokenizer, answers) if config.backend == "corpus" else make_backend(config.backend, target_dir)
+    used = {CorpusBackend: "corpus", HFBackend: "hf", SGLangBackend: "sglang"}[type(backend)]
+    meta["backends"] = sorted(set(earlier_backends) | {used})  # every backend that wrote shards here
+    write_meta(out, meta)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     shard_index = len(shard_paths(out))
     new_tokens, start = 0, time.perf_counter()

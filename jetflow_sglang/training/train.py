@@ -167,11 +167,12 @@ def sequence_attention(context: list[tuple[Tensor, Tensor]], rows: Tensor, ancho
             # softmax over (context, block) keys without concatenating them: shared max, two sums
             q_row = q[blocks].reshape(count, kv_heads, group, width, dim) * dim**-0.5
             hidden_context = torch.arange(seq_len, device=q.device)[None, :] >= anchors[blocks, None]  # [n, T]
+            # in place on the [n, kv, g, B, T] scores: a fresh tensor of that size costs page faults
             scores_context = torch.einsum("nkgqd,ktd->nkgqt", q_row, context_k[row])
-            scores_context = scores_context.masked_fill(hidden_context[:, None, None, None, :], float("-inf"))
-            scores_block = torch.einsum("nkgqd,nkpd->nkgqp", q_row, block_k[blocks]).masked_fill(~block, float("-inf"))
+            scores_context.masked_fill_(hidden_context[:, None, None, None, :], float("-inf"))
+            scores_block = torch.einsum("nkgqd,nkpd->nkgqp", q_row, block_k[blocks]).masked_fill_(~block, float("-inf"))
             top = torch.maximum(scores_context.amax(-1, keepdim=True), scores_block.amax(-1, keepdim=True)).detach()
-            weights_context, weights_block = (scores_context - top).exp(), (scores_block - top).exp()
+            weights_context, weights_block = scores_context.sub_(top).exp_(), scores_block.sub_(top).exp_()
             norm = weights_context.sum(-1, keepdim=True) + weights_block.sum(-1, keepdim=True)
             out = torch.einsum("nkgqt,ktd->nkgqd", weights_context, context_v[row])
             out = (out + torch.einsum("nkgqp,nkpd->nkgqd", weights_block, block_v[blocks])) / norm
