@@ -207,6 +207,7 @@ def model_card(name: str, report: dict) -> str:
         for d, v in report["data"].items()
     )
     held_out = train.get("held_out") or {}
+    coverage = ", ".join(f"{p} {r.get('draft_vocab_coverage', 1.0):.1%}" for p, r in report["per_depth"][name].items())
     return f"""# {title} for SmolLM2-135M-Instruct
 
 Made by `make train-default` (`python -m jetflow_sglang.training.recipe`). Load it with
@@ -240,6 +241,8 @@ Held-out validation slice at the last checkpoint: chain τ {held_out.get('chain_
 (prompt lookup {held_out.get('lookup_chain_tau', float('nan')):.2f}).
 
 {per_depth_table(report, name)}
+
+Share of these target tokens inside the draft vocabulary: {coverage}.
 
 ![per depth](per_depth.png)
 

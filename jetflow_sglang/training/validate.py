@@ -101,9 +101,13 @@ class ValidationSet:
         was_training = head.training
         head.eval()
         try:
-            return self.score_tokens(self.draft_tokens(head))
+            scores = self.score_tokens(self.draft_tokens(head))
         finally:
             head.train(was_training)
+        labels = self.labels[self.labels >= 0]
+        inside = torch.isin(labels, head.draft_vocab.cpu()) if head.draft_vocab is not None else torch.ones_like(labels, dtype=torch.bool)
+        scores["draft_vocab_coverage"] = round(float(inside.float().mean()) if len(labels) else 1.0, 4)
+        return scores
 
     def score_tokens(self, drafted: Tensor) -> dict:
         """`score` for drafted tokens [nb, D] (target ids, one per anchor and depth)."""
