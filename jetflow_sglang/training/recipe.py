@@ -42,7 +42,7 @@ class RecipeConfig:
     corpus_prompts: int = 1500  # the next train-split prompts, with ShareGPT's answers; 0: none
     corpus_max_new_tokens: int = 512
     val_prompts: int = 64  # validation-slice prompts (ShareGPT's answers) scored at each checkpoint
-    steps: int = 270
+    steps: int = 220
     batch_tokens: int = 2048
     anchor_fraction: float = 0.5
     draft_vocab: int = 16384

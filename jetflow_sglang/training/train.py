@@ -158,25 +158,35 @@ def sequence_attention(context: list[tuple[Tensor, Tensor]], rows: Tensor, ancho
         if block is None:
             block = torch.ones(width, width, dtype=torch.bool, device=q.device)
             block = block.tril() if causal else block
+        block_rows = block.repeat(group, 1)  # rows ordered (g, slot)
+        ones = context_v.new_ones(*context_v.shape[:3], 1)
+        ones_block = block_v.new_ones(*block_v.shape[:3], 1)
         outs, first = [], 0
         for row, count in enumerate(counts):
             if count == 0:
                 continue
             blocks = slice(first, first + count)
             first += count
-            # softmax over (context, block) keys without concatenating them: shared max, two sums
-            q_row = q[blocks].reshape(count, kv_heads, group, width, dim) * dim**-0.5
+            # kv-head-major layout, so the [kv, n*g*B, T] scores are made and consumed by plain
+            # bmm (no permuted copies forward or backward); a ones column in V yields the softmax
+            # normalizer from the same bmm. Softmax over (context, block) keys: shared max.
+            rows_q = group * width
+            q_row = (q[blocks] * dim**-0.5).reshape(count, kv_heads, rows_q, dim).transpose(0, 1)  # [kv, n, gB, d]
+            q_flat = q_row.reshape(kv_heads, count * rows_q, dim)
+            scores_context = torch.bmm(q_flat, context_k[row].transpose(1, 2)).view(kv_heads, count, rows_q, seq_len)
             hidden_context = torch.arange(seq_len, device=q.device)[None, :] >= anchors[blocks, None]  # [n, T]
-            # in place on the [n, kv, g, B, T] scores: a fresh tensor of that size costs page faults
-            scores_context = torch.einsum("nkgqd,ktd->nkgqt", q_row, context_k[row])
-            scores_context.masked_fill_(hidden_context[:, None, None, None, :], float("-inf"))
-            scores_block = torch.einsum("nkgqd,nkpd->nkgqp", q_row, block_k[blocks]).masked_fill_(~block, float("-inf"))
+            scores_context.masked_fill_(hidden_context[None, :, None, :], float("-inf"))
+            keys_block = block_k[blocks].transpose(0, 1)  # [kv, n, B, d]
+            scores_block = torch.matmul(q_row, keys_block.transpose(-1, -2)).masked_fill_(~block_rows, float("-inf"))
             top = torch.maximum(scores_context.amax(-1, keepdim=True), scores_block.amax(-1, keepdim=True)).detach()
-            weights_context, weights_block = scores_context.sub_(top).exp_(), scores_block.sub_(top).exp_()
-            norm = weights_context.sum(-1, keepdim=True) + weights_block.sum(-1, keepdim=True)
-            out = torch.einsum("nkgqt,ktd->nkgqd", weights_context, context_v[row])
-            out = (out + torch.einsum("nkgqp,nkpd->nkgqd", weights_block, block_v[blocks])) / norm
-            outs.append(out.reshape(count, heads, width, dim))
+            weights_context = scores_context.sub_(top).exp_().view(kv_heads, count * rows_q, seq_len)
+            weights_block = scores_block.sub_(top).exp_()
+            values_context = torch.cat([context_v[row], ones[row]], -1)  # [kv, T, d+1]
+            values_block = torch.cat([block_v[blocks], ones_block[:count]], -1).transpose(0, 1)  # [kv, n, B, d+1]
+            out = torch.bmm(weights_context, values_context).view(kv_heads, count, rows_q, dim + 1)
+            out = out + torch.matmul(weights_block, values_block)
+            out = out[..., :dim] / out[..., dim:]
+            outs.append(out.view(kv_heads, count, group, width, dim).permute(1, 0, 2, 3, 4).reshape(count, heads, width, dim))
         return torch.cat(outs)
 
     return attend
