@@ -54,7 +54,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise JetFlowError(f"top-p must be in (0, 1], got {args.top_p}")
     torch.manual_seed(args.seed if args.seed is not None else 0)
     target, head = load_target_and_head(args.target, args.head, getattr(torch, DTYPES[args.dtype]))
-    engine = ReferenceEngine(target, HeadDrafter(head), budget=args.budget, width=args.width)
+    engine = ReferenceEngine(target, HeadDrafter(head), budget=args.budget, width=args.width, lookup=args.lookup)
     prompt_ids = target.encode_prompt(args.prompt, chat=args.chat)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
 
@@ -193,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     gen.add_argument("--repeats", type=_positive("repeats"), default=1, help="timed runs; tokens/s is the median")
+    gen.add_argument("--lookup", action="store_true",
+                     help="merge the prompt-lookup continuation into each draft tree (same budget)")
     gen.add_argument("--compare-ar", action="store_true", help="also decode with the target alone and compare")
     gen.add_argument("--json", action="store_true", help="print one JSON line")
     gen.set_defaults(func=cmd_generate)
@@ -249,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-new-tokens", type=_positive("max new tokens"), default=128, help="new tokens per prompt")
     ev.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target and head dtype")
     ev.add_argument("--refresh", action="store_true", help="re-expand each tree after a path-conditioned head pass")
+    ev.add_argument("--lookup", action="store_true",
+                    help="merge the prompt-lookup continuation into each draft tree (same budget)")
     ev.add_argument("--per-depth", action="store_true",
                     help="top-1 per draft depth and chain tau of the head beside prompt lookup, on the same anchors")
     ev.add_argument("--json", action="store_true", help="print JSON lines")

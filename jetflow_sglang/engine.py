@@ -1,6 +1,7 @@
 """Reference engine on HF transformers: speculative generation with a draft tree, batch size 1.
 
-Per round: one drafter pass -> best-first tree (optionally re-expanded after a
+Per round: one drafter pass -> best-first tree (optionally with the prompt-lookup
+continuation merged in as a free branch, and optionally re-expanded after a
 path-conditioned refresh pass) -> one target forward over the tree
 with the ancestor mask at positions prefix+depth -> acceptance -> keep the accepted
 path's target KV (cache compacted to it) and hand its features to the drafter.
@@ -8,6 +9,7 @@ path's target KV (cache compacted to it) and hand its features to the drafter.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -17,8 +19,9 @@ import torch
 from jetflow_sglang.accept import Acceptance, accept_tree, target_picks
 from jetflow_sglang.drafter import Drafter
 from jetflow_sglang.errors import JetFlowError
+from jetflow_sglang.lookup import lookup_draft
 from jetflow_sglang.target import Target, compact_cache
-from jetflow_sglang.tree import DraftTree, build_tree, check_budget, max_tree_nodes, refreshed_tree
+from jetflow_sglang.tree import DraftTree, build_tree, check_budget, max_tree_nodes, merge_chain, refreshed_tree
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,18 @@ def generate_ar(
 
 
 class ReferenceEngine:
-    def __init__(self, target: Target, drafter: Drafter, budget: int = 64, width: int = 7, refresh: bool = False) -> None:
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter,
+        budget: int = 64,
+        width: int = 7,
+        refresh: bool = False,
+        lookup: bool = False,
+        lookup_logprob: float = math.log(0.6),
+    ) -> None:
+        """lookup: merge the prompt-lookup continuation of the committed tokens into each tree
+        (tree.merge_chain), its depth-d node scored d * lookup_logprob, within the same budget."""
         try:
             check_budget(budget)
         except ValueError as exc:
@@ -117,6 +131,7 @@ class ReferenceEngine:
             raise JetFlowError(f"{type(drafter).__name__} has no path-conditioned refresh pass")
         self.target, self.drafter, self.budget, self.width = target, drafter, budget, width
         self.refresh = refresh
+        self.lookup, self.lookup_logprob = lookup, lookup_logprob
 
     @torch.inference_mode()
     def generate(
@@ -138,10 +153,15 @@ class ReferenceEngine:
         self.drafter.reset(features)
         result = GenerationResult(tokens=[])
         done = _finish(result.tokens, [int(pick(logits[:, -1:])[0, 0])], eos, max_new_tokens)
+        context = list(prompt_ids) + result.tokens  # prompt + committed tokens, anchor last
         while not done:
             anchor = torch.tensor([result.tokens[-1]])
             draft_logprobs = self.drafter.propose(anchor, position).float().log_softmax(-1)
             tree = build_tree(anchor, draft_logprobs, self.budget, self.width)
+            if self.lookup:  # the tokens that followed the context's suffix earlier, as a free branch
+                chain = lookup_draft(context, depth=self.drafter.block_size - 1)
+                if chain:
+                    tree = merge_chain(tree, torch.tensor(chain), self.lookup_logprob)
             if self.refresh:  # second head pass over the tree: branch-specific children (method §3)
                 node_logprobs = self.drafter.refresh(tree, position).float().log_softmax(-1)
                 tree = refreshed_tree(tree, node_logprobs, draft_logprobs, self.width)
@@ -158,6 +178,7 @@ class ReferenceEngine:
             result.accept_lengths.append(accepted)
             committed = acceptance.committed_tokens(tree)[0, : accepted + 1].tolist()
             done = _finish(result.tokens, committed, eos, max_new_tokens)
+            context.extend(committed)
             position += accepted + 1
         result.seconds = time.perf_counter() - start
         return result

@@ -186,6 +186,80 @@ def refreshed_tree(tree: DraftTree, node_logprobs: Tensor, draft_logprobs: Tenso
     )
 
 
+def merge_chain(tree: DraftTree, chain: Tensor, chain_logprob: float) -> DraftTree:
+    """Put a token chain (depths 1..L after the root, e.g. a prompt-lookup continuation) into
+    a batch-1 tree without changing its budget: the "free branch".
+
+    The chain walks down from the root as far as the tree already holds it; each remaining
+    chain token becomes a new node (child of the previous chain node) scored
+    depth * chain_logprob, appended at the end, as long as it strictly beats the weakest
+    removable leaf, which it replaces. Leaves are removed iteratively (a parent whose children
+    are all gone becomes a leaf), never the root or a node of the chain's shared prefix; ties
+    remove the later node. Kept nodes stay in their order and new nodes follow, so the order
+    stays topological. When no chain node gets in, the tree itself is returned.
+    """
+    if tree.tokens.shape[0] != 1:
+        raise ValueError(f"merge_chain takes a batch-1 tree, got batch {tree.tokens.shape[0]}")
+    tokens, parents = tree.tokens[0].tolist(), tree.parents[0].tolist()
+    depths, scores = tree.depths[0].tolist(), tree.scores[0].tolist()
+    chain = [int(t) for t in chain.reshape(-1).tolist()]
+    budget = len(tokens)
+
+    # Shared prefix: follow the chain down the tree (siblings hold distinct tokens).
+    child_of = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i > 0}
+    shared, node = [0], 0
+    while len(shared) <= len(chain) and (node, chain[len(shared) - 1]) in child_of:
+        node = child_of[(node, chain[len(shared) - 1])]
+        shared.append(node)
+    protected = set(shared)
+    rest = chain[len(shared) - 1 :]
+    first_depth = len(shared)  # depth of the first new chain node
+    new_scores = [float(torch.tensor((first_depth + k) * chain_logprob, dtype=torch.float32)) for k in range(len(rest))]
+
+    # Each new chain node (scores fall along the chain) replaces the weakest removable leaf it beats.
+    children = [0] * budget
+    for p in parents[1:]:
+        children[p] += 1
+    removed: set[int] = set()
+    taken = 0
+    for score in new_scores:
+        leaves = [i for i in range(1, budget) if i not in removed and children[i] == 0 and i not in protected]
+        if not leaves:
+            break
+        weakest = min(leaves, key=lambda i: (scores[i], -i))
+        if not score > scores[weakest]:
+            break
+        removed.add(weakest)
+        children[parents[weakest]] -= 1
+        taken += 1
+    if taken == 0:
+        return tree
+
+    kept = [i for i in range(budget) if i not in removed]
+    new_index = {old: new for new, old in enumerate(kept)}
+    out_tokens = [tokens[i] for i in kept]
+    out_parents = [new_index[parents[i]] if parents[i] >= 0 else -1 for i in kept]
+    out_depths = [depths[i] for i in kept]
+    out_scores = [scores[i] for i in kept]
+    parent = new_index[shared[-1]]
+    for k in range(taken):
+        out_tokens.append(rest[k])
+        out_parents.append(parent)
+        out_depths.append(first_depth + k)
+        out_scores.append(new_scores[k])
+        parent = len(out_tokens) - 1
+    device = tree.tokens.device
+    as_row = lambda values, dtype: torch.tensor([values], dtype=dtype, device=device)  # noqa: E731
+    out = as_row(out_parents, torch.long)
+    return DraftTree(
+        tokens=as_row(out_tokens, torch.long),
+        parents=out,
+        depths=as_row(out_depths, torch.long),
+        scores=as_row(out_scores, torch.float32),
+        ancestors=ancestor_mask(out, max(out_depths)),
+    )
+
+
 def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
     """[b, N, N] bool: [b, i, j] is True when j is i or an ancestor of i (pointer chasing by depth)."""
     batch, budget = parents.shape

@@ -43,6 +43,35 @@ def test_random_head_is_lossless(target, random_head, prompt_ids, greedy_runs, b
         assert engine.generate(ids, RANDOM_HEAD_NEW_TOKENS).tokens == reference[:RANDOM_HEAD_NEW_TOKENS]
 
 
+@pytest.mark.parametrize("budget", [16, 64])
+def test_random_head_with_lookup_is_lossless(target, random_head, prompt_ids, greedy_runs, budget):
+    """The prompt-lookup chain merged into each tree (same budget) changes which drafts are
+    verified, never what is committed."""
+    engine = ReferenceEngine(target, HeadDrafter(random_head), budget=budget, lookup=True)
+    merged_rounds = 0
+
+    def on_round(position, tree, acceptance):
+        nonlocal merged_rounds
+        assert tree.budget == budget
+        # Lookup nodes score exactly depth * lookup_logprob (in fp32); drafted ones never do.
+        lookup_scores = torch.tensor([d * engine.lookup_logprob for d in tree.depths[0].tolist()], dtype=torch.float32)
+        merged_rounds += int((tree.scores[0, 1:] == lookup_scores[1:]).any())
+
+    for ids, (reference, _) in zip(prompt_ids, greedy_runs):
+        result = engine.generate(ids, RANDOM_HEAD_NEW_TOKENS, on_round=on_round)
+        assert result.tokens == reference[:RANDOM_HEAD_NEW_TOKENS]
+    assert merged_rounds > 0  # the lookup branch was really in some trees
+
+
+def test_lookup_raises_tau_on_a_repetitive_prompt(target, random_head):
+    ids = target.encode_prompt("1, 2, 3, 1, 2, 3, 1, 2, 3,", False)
+    plain = ReferenceEngine(target, HeadDrafter(random_head), budget=64).generate(ids, 24)
+    lookup = ReferenceEngine(target, HeadDrafter(random_head), budget=64, lookup=True).generate(ids, 24)
+    assert lookup.tokens == plain.tokens == generate_ar(target, ids, 24).tokens
+    assert lookup.tau > plain.tau
+    assert lookup.tau > 2.0
+
+
 @pytest.mark.parametrize("refresh", [False, True], ids=["one-pass", "refresh"])
 def test_shipped_head_is_lossless(target, prompt_ids, greedy_runs, refresh):
     """The trained default head (the same target taps as the random one) accepts real

@@ -18,6 +18,7 @@ from jetflow_sglang.tree import (
     build_tree,
     full_mask,
     max_tree_nodes,
+    merge_chain,
     pack_bits,
     packed_mask,
     refreshed_tree,
@@ -552,3 +553,144 @@ def test_refreshed_tree_is_best_first_under_node_logprobs(inputs, seed):
             assert int(again.tokens[b, i]) in row.topk(min(width, row.numel())).indices.tolist()
         assert len(set(paths)) == len(paths)  # no duplicate branch
         assert torch.equal(again.ancestors[b], ancestor_mask(again.parents[b : b + 1], logprobs.shape[1])[0])
+
+
+# --------------------------------------------------------------------------- merge_chain (lookup free branch)
+
+
+def shared_prefix_len(tree: DraftTree, chain: list[int]) -> int:
+    """How many chain tokens the tree already holds as a root path."""
+    paths = set(token_paths(tree, 0))
+    k = 0
+    while k < len(chain) and tuple(chain[: k + 1]) in paths:
+        k += 1
+    return k
+
+
+def removable_leaves(tree: DraftTree, chain: list[int]) -> list[int]:
+    """Leaves that are neither the root nor a node on the chain's root path."""
+    parents = tree.parents[0].tolist()
+    on_chain = {tuple(chain[:k]) for k in range(len(chain) + 1)}
+    paths = token_paths(tree, 0)
+    has_child = set(parents[1:])
+    return [i for i in range(1, len(parents)) if i not in has_child and paths[i] not in on_chain]
+
+
+def check_merged_structure(merged: DraftTree, budget: int) -> None:
+    for name in ("tokens", "parents", "depths", "scores"):
+        assert getattr(merged, name).shape == (1, budget), name
+    assert merged.tokens.dtype == merged.parents.dtype == merged.depths.dtype == torch.int64
+    assert merged.scores.dtype == torch.float32 and merged.ancestors.dtype == torch.bool
+    parents, depths, tokens = merged.parents[0].tolist(), merged.depths[0].tolist(), merged.tokens[0].tolist()
+    assert parents[0] == -1 and depths[0] == 0 and merged.scores[0, 0].item() == 0.0
+    siblings: set[tuple[int, int]] = set()
+    for i in range(1, budget):
+        assert 0 <= parents[i] < i  # topological
+        assert depths[i] == depths[parents[i]] + 1
+        assert (parents[i], tokens[i]) not in siblings  # siblings hold distinct tokens
+        siblings.add((parents[i], tokens[i]))
+    assert np.array_equal(merged.ancestors[0].numpy(), walk_ancestors(parents))
+    assert torch.equal(merged.ancestors.sum(-1), merged.depths + 1)
+
+
+@st.composite
+def merge_inputs(draw):
+    anchors, logprobs, budget, width = draw(tree_inputs(max_batch=1, max_depths=5))
+    tree = build_tree(anchors, logprobs, budget, width)
+    depths, vocab = logprobs.shape[1:]
+    # Start the chain on a prefix of one of the tree's own root paths, then continue freely.
+    path = draw(st.sampled_from(token_paths(tree, 0)))
+    start = list(path[: draw(st.integers(0, len(path)))])
+    tail = draw(st.integers(1 if len(start) < depths else 0, depths - len(start)))
+    chain = start + draw(st.lists(st.integers(0, vocab - 1), min_size=tail, max_size=tail))
+    chain_logprob = draw(st.sampled_from([0.0, math.log(0.999), math.log(0.9), math.log(0.6), math.log(0.2), -1e3]))
+    return tree, chain, chain_logprob, budget
+
+
+@SETTINGS
+@given(merge_inputs())
+def test_merge_chain_keeps_budget_and_structure(inputs):
+    tree, chain, chain_logprob, budget = inputs
+    merged = merge_chain(tree, torch.tensor(chain), chain_logprob)
+    check_merged_structure(merged, budget)
+    assert merged.tokens[0, 0] == tree.tokens[0, 0]
+    shared = shared_prefix_len(tree, chain)
+    new_scores = [float(np.float32((d + 1) * chain_logprob)) for d in range(shared, len(chain))]
+    leaves = removable_leaves(tree, chain)
+    if merged is tree:
+        # Nothing got in: the chain is already there, no leaf can go, or the first new node loses.
+        assert not new_scores or not leaves or new_scores[0] <= min(tree.scores[0, i].item() for i in leaves)
+        return
+    taken = shared_prefix_len(merged, chain) - shared
+    assert taken >= 1
+    # Kept nodes in their old order, then the new chain nodes with their depth-scaled scores.
+    old = list(zip(token_paths(tree, 0), tree.scores[0].tolist()))
+    new = list(zip(token_paths(merged, 0), merged.scores[0].tolist()))
+    kept, added = new[: budget - taken], new[budget - taken :]
+    assert [p for p, _ in added] == [tuple(chain[:k]) for k in range(shared + 1, shared + taken + 1)]
+    assert [s for _, s in added] == new_scores[:taken]
+    kept_set = set(kept)
+    assert [e for e in old if e in kept_set] == kept
+    removed = sorted(s for p, s in old if (p, s) not in kept_set)
+    assert len(removed) == taken
+    # Every replaced leaf is beaten by the chain node that took its place.
+    assert all(r < n for r, n in zip(removed, new_scores))
+    # As many as beat the weakest leaves: the next chain node (if any) would not.
+    if shared + taken < len(chain):
+        rest = removable_leaves(merged, chain)
+        assert not rest or new_scores[taken] <= min(merged.scores[0, i].item() for i in rest)
+
+
+@SETTINGS
+@given(merge_inputs())
+def test_merge_chain_winning_chain_is_a_root_path(inputs):
+    """A chain that beats every drafted node and has room gets in whole; merging is deterministic."""
+    tree, chain, _, budget = inputs
+    shared = shared_prefix_len(tree, chain)
+    if budget - 1 - shared < len(chain) - shared:
+        return  # not enough non-chain nodes to give up
+    merged = merge_chain(tree, torch.tensor(chain), 0.0)  # score 0 beats every leaf unless tied at 0
+    if tree.scores[0, 1:].numel() and tree.scores[0, 1:].max().item() < 0:
+        assert shared_prefix_len(merged, chain) == len(chain)
+    assert_trees_equal(merged, merge_chain(tree, torch.tensor(chain), 0.0))
+
+
+@SETTINGS
+@given(tree_inputs(max_batch=1, max_depths=5), st.data())
+def test_merge_chain_inside_the_tree_changes_nothing(inputs, data):
+    anchors, logprobs, budget, width = inputs
+    tree = build_tree(anchors, logprobs, budget, width)
+    path = data.draw(st.sampled_from(token_paths(tree, 0)[1:] or [()]))
+    for chain_logprob in (0.0, math.log(0.6)):
+        assert merge_chain(tree, torch.tensor(path, dtype=torch.long), chain_logprob) is tree
+
+
+def test_merge_chain_hand_made():
+    # Tree of test_hand_made_tree at budget 4: 9 -> 0 (.6) -> 0 (.42), 9 -> 1 (.3).
+    probs = torch.tensor([[[0.6, 0.3, 0.1], [0.7, 0.2, 0.1]]])
+    tree = build_tree(torch.tensor([9]), probs.log(), 4, width=3)
+    assert tree.tokens.tolist() == [[9, 0, 0, 1]]
+    # Chain (1, 2): shares node 3; its depth-2 node at .5^2 = .25 loses to the leaf at .42.
+    assert merge_chain(tree, torch.tensor([1, 2]), math.log(0.5)) is tree
+    # At .9^2 = .81 it replaces that leaf; node 1 becomes a leaf and stays.
+    merged = merge_chain(tree, torch.tensor([1, 2]), math.log(0.9))
+    assert merged.tokens.tolist() == [[9, 0, 1, 2]]
+    assert merged.parents.tolist() == [[-1, 0, 0, 2]]
+    assert merged.depths.tolist() == [[0, 1, 1, 2]]
+    np.testing.assert_allclose(merged.scores[0].numpy(), np.log([1.0, 0.6, 0.3, 0.81]), atol=1e-6)
+    # Chain (2, 0) shares nothing: it takes the .3 leaf, then the .42 leaf (node 1 is now a leaf too).
+    merged = merge_chain(tree, torch.tensor([2, 0]), math.log(0.9))
+    assert merged.tokens.tolist() == [[9, 0, 2, 0]]
+    assert merged.parents.tolist() == [[-1, 0, 0, 2]]
+    assert merged.depths.tolist() == [[0, 1, 1, 2]]
+    np.testing.assert_allclose(merged.scores[0].numpy(), np.log([1.0, 0.6, 0.9, 0.81]), atol=1e-6)
+    # Only as many as win: (2, 0) at .35 beats the .3 leaf, but .35^2 loses to .42.
+    merged = merge_chain(tree, torch.tensor([2, 0]), math.log(0.35))
+    assert merged.tokens.tolist() == [[9, 0, 0, 2]] and merged.parents.tolist() == [[-1, 0, 1, 0]]
+    # A tie with the weakest leaf does not get in.
+    assert merge_chain(tree, torch.tensor([2]), float(tree.scores[0, 3])) is tree
+    # The root is never removed: a root-only tree takes nothing.
+    root_only = build_tree(torch.tensor([9]), probs.log(), 1, width=3)
+    assert merge_chain(root_only, torch.tensor([2, 0]), 0.0) is root_only
+    with pytest.raises(ValueError):
+        merge_chain(build_tree(torch.tensor([9, 9]), probs.log().expand(2, -1, -1), 4, width=3), torch.tensor([1]), 0.0)
