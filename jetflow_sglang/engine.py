@@ -158,13 +158,13 @@ class ReferenceEngine:
             anchor = torch.tensor([result.tokens[-1]])
             draft_logprobs = self.drafter.propose(anchor, position).float().log_softmax(-1)
             tree = build_tree(anchor, draft_logprobs, self.budget, self.width)
-            if self.lookup:  # the tokens that followed the context's suffix earlier, as a free branch
-                chain = lookup_draft(context, depth=self.drafter.block_size - 1)
-                if chain:
-                    tree = merge_chain(tree, torch.tensor(chain), self.lookup_logprob)
             if self.refresh:  # second head pass over the tree: branch-specific children (method §3)
                 node_logprobs = self.drafter.refresh(tree, position).float().log_softmax(-1)
                 tree = refreshed_tree(tree, node_logprobs, draft_logprobs, self.width)
+            if self.lookup:  # after the refresh, which rebuilds the tree from the head's log-probs
+                chain = lookup_draft(context, depth=self.drafter.block_size - 1)
+                if chain:
+                    tree = merge_chain(tree, torch.tensor(chain), self.lookup_logprob)
             prefix_visible = torch.ones(1, self.budget, position, dtype=torch.bool)
             mask = torch.cat([prefix_visible, tree.ancestors], -1)[:, None]
             logits, features = target.forward(tree.tokens, tree.positions(torch.tensor([position])), cache, mask)

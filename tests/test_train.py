@@ -44,7 +44,9 @@ def test_train_writes_a_loadable_head_loss_curve_and_shared_feature_cache(data_d
     head = JetFlowHead.load(tmp_path / "head")
     head.config.check_fits_target(AutoConfig.from_pretrained(prepare()["target"]))
     assert head.config.num_layers == 1
-    assert {t.dtype for t in load_file(str(tmp_path / "head" / "model.safetensors")).values()} == {torch.bfloat16}
+    state = load_file(str(tmp_path / "head" / "model.safetensors"))
+    assert {t.dtype for k, t in state.items() if k != "draft_vocab"} == {torch.bfloat16}
+    assert state["draft_vocab"].dtype == torch.int64 and len(state["draft_vocab"].unique()) == head.config.draft_vocab_size
     assert (tmp_path / "head" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     history = json.loads((tmp_path / "head" / "train_state.json").read_text())["history"]
     assert [h["step"] for h in history] == [1, 2, 3, 4]
