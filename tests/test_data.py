@@ -32,6 +32,9 @@ def test_sharegpt_copy_is_valid_json_and_splits_are_disjoint():
     assert 100 < len(heldout) < len(train) / 20
     assert all(is_heldout(i) for i in heldout_ids) and not any(is_heldout(i) for i in train_ids)
     assert sharegpt_prompts("heldout") == heldout  # deterministic
+    validation = sharegpt_prompts("validation")
+    assert len(validation) == 64 and not {p.id for p in validation} & (train_ids | heldout_ids)
+    assert sum(p.answer is not None for p in validation) > 48  # ShareGPT's own answers ride along
 
 
 def test_humaneval_prompts_are_raw_code_completions():
