@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from jetflow_sglang.head import JetFlowConfig, JetFlowHead
 from jetflow_sglang.target import fast_dtype
+from jetflow_sglang.training import objective as O
 from jetflow_sglang.training import train as T
 from jetflow_sglang.training.features import FeatureStore, soft_labels
 
@@ -110,8 +111,8 @@ def new_step(head: JetFlowHead, store, final_hidden, lm_head, batches, rng, comp
             ids, logprobs = soft_labels(final_hidden[token_rows], lm_head, SOFT_K)
             store.topk_ids[token_rows], store.topk_logprobs[token_rows] = ids, logprobs
         hidden, label_positions = T.head_forward_sequences(head, features, input_ids, rows, anchors, lengths, reveal)
-        topk_ids, topk_logprobs, labels = T.slot_targets(store, seq_index[rows], label_positions, to_draft, reveal)
-        T.loss_and_backward(head, hidden, topk_ids, topk_logprobs, labels, "fkl")
+        topk_ids, topk_logprobs, labels = O.slot_targets(store, seq_index[rows], label_positions, to_draft, reveal)
+        O.loss_and_backward(head, hidden, topk_ids, topk_logprobs, labels, "fkl")
     return len(rows)
 
 
@@ -137,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     def make(draft_vocab: int) -> tuple[JetFlowHead, torch.Tensor]:
         head = JetFlowHead(JetFlowConfig.for_target(target.config, num_layers=2, draft_vocab_size=draft_vocab)).init_weights(0)
         if draft_vocab:
-            head.set_draft_vocab(T.most_frequent_tokens(store, draft_vocab, vocab)[0])
-        return head.bind_target(embedding, lm_head), T.draft_id_map(head.draft_vocab, vocab)
+            head.set_draft_vocab(O.most_frequent_tokens(store, draft_vocab, vocab)[0])
+        return head.bind_target(embedding, lm_head), O.draft_id_map(head.draft_vocab, vocab)
 
     new_config = T.TrainConfig(batch_tokens=args.batch_tokens, anchor_fraction=args.anchor_fraction)
     old_config = T.TrainConfig(batch_tokens=args.old_batch_tokens)

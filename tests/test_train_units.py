@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from jetflow_sglang.head import JetFlowConfig, JetFlowHead, dense_attention
 from jetflow_sglang.lookup import lookup_draft, lookup_match
+from jetflow_sglang.training import objective as O
 from jetflow_sglang.training import train as T
 from jetflow_sglang.training.features import FeatureStore
 from jetflow_sglang.training.validate import ValidationSet, chain_tau
@@ -40,13 +41,13 @@ def test_fkl_over_top_k_buckets_by_hand():
     ids, log_p = torch.tensor([[2, 0]]), torch.tensor([[math.log(0.6), math.log(0.3)]])
     p_tail, q_tail = 0.1, 1 - log_q[2].exp() - log_q[0].exp()
     expected = 0.6 * (math.log(0.6) - log_q[2]) + 0.3 * (math.log(0.3) - log_q[0]) + p_tail * (math.log(p_tail) - q_tail.log())
-    value = T.soft_label_loss(logits, ids, log_p, torch.tensor([2]), "fkl")
+    value = O.soft_label_loss(logits, ids, log_p, torch.tensor([2]), "fkl")
     assert value.item() == pytest.approx(expected.item(), rel=1e-5)
-    rkl = T.soft_label_loss(logits, ids, log_p, torch.tensor([2]), "rkl")
+    rkl = O.soft_label_loss(logits, ids, log_p, torch.tensor([2]), "rkl")
     q2, q0 = log_q[2].exp(), log_q[0].exp()
     expected_rkl = q2 * (log_q[2] - math.log(0.6)) + q0 * (log_q[0] - math.log(0.3)) + q_tail * (q_tail.log() - math.log(p_tail))
     assert rkl.item() == pytest.approx(expected_rkl.item(), rel=1e-5)
-    assert T.soft_label_loss(logits, ids, log_p, torch.tensor([2]), "sft").item() == pytest.approx(-log_q[2].item(), rel=1e-6)
+    assert O.soft_label_loss(logits, ids, log_p, torch.tensor([2]), "sft").item() == pytest.approx(-log_q[2].item(), rel=1e-6)
 
 
 def test_fkl_equals_full_kl_when_the_top_k_holds_all_mass():
@@ -55,7 +56,7 @@ def test_fkl_equals_full_kl_when_the_top_k_holds_all_mass():
     log_p = target_logits.log_softmax(-1)
     ids = torch.arange(6).expand(3, -1)
     full = F.kl_div(logits.log_softmax(-1), log_p, log_target=True, reduction="sum")
-    assert T.soft_label_loss(logits, ids, log_p, torch.zeros(3, dtype=torch.long), "fkl").item() == pytest.approx(full.item(), abs=1e-4)
+    assert O.soft_label_loss(logits, ids, log_p, torch.zeros(3, dtype=torch.long), "fkl").item() == pytest.approx(full.item(), abs=1e-4)
 
 
 def test_analytic_fkl_gradient_matches_autograd():
@@ -68,10 +69,10 @@ def test_analytic_fkl_gradient_matches_autograd():
     log_p = torch.randn(n, k, generator=gen, dtype=torch.float64).log_softmax(-1) + math.log(0.9)
     reference = logits.clone().requires_grad_()
     labels = torch.zeros(n, dtype=torch.long)
-    T.soft_label_loss(reference, ids, log_p, labels, "fkl").backward()
-    per_row, grad = T.fkl_value_and_grad(logits.clone(), ids, log_p)
+    O.soft_label_loss(reference, ids, log_p, labels, "fkl").backward()
+    per_row, grad = O.fkl_value_and_grad(logits.clone(), ids, log_p)
     assert per_row[4] == 0 and torch.all(grad[4] == 0)
-    assert per_row.sum().item() == pytest.approx(T.soft_label_loss(logits, ids, log_p, labels, "fkl").item(), rel=1e-9)
+    assert per_row.sum().item() == pytest.approx(O.soft_label_loss(logits, ids, log_p, labels, "fkl").item(), rel=1e-9)
     torch.testing.assert_close(grad, reference.grad, rtol=1e-9, atol=1e-12)
 
 
@@ -111,7 +112,7 @@ def test_slot_d_of_anchor_a_learns_the_target_distribution_at_a_plus_d_minus_1()
     lengths = store.lengths[seq_index]
     label_positions = torch.where(positions < lengths[:, None], positions, -1)[:, 1:]
     reveal = torch.tensor([0, 0, 2])
-    topk_ids, _, labels = T.slot_targets(store, seq_index, label_positions, to_draft, reveal)
+    topk_ids, _, labels = O.slot_targets(store, seq_index, label_positions, to_draft, reveal)
     for n in range(3):
         base = int(store.offsets[seq_index[n]])
         for d in range(1, block):
@@ -181,9 +182,9 @@ def test_a_draft_vocabulary_with_repeated_ids_is_refused(tmp_path):
 def test_most_frequent_tokens_and_coverage():
     store = _store([6, 4], [2, 1])
     store.input_ids = torch.tensor([9, 9, 5, 5, 5, 7, 9, 5, 7, 8])  # responses: 5 5 5 7 | 5 7 8
-    ids, coverage = T.most_frequent_tokens(store, 2, 50)
+    ids, coverage = O.most_frequent_tokens(store, 2, 50)
     assert ids.tolist() == [5, 7] and coverage == pytest.approx(6 / 7)
-    table = T.draft_id_map(ids, 50)
+    table = O.draft_id_map(ids, 50)
     assert table[5] == 0 and table[7] == 1 and table[9] == -1
 
 
@@ -229,9 +230,9 @@ def test_head_and_trainer_memorize_one_target_written_sequence(target, prompt_id
     store = store_from_parts([featurize(target, [{"ids": sequence, "prompt_len": len(ids)}])])
     config = JetFlowConfig.for_target(target.config, num_layers=1, draft_vocab_size=512)
     head = JetFlowHead(config).init_weights(0)
-    head.set_draft_vocab(T.most_frequent_tokens(store, 512, target.config.vocab_size)[0])
+    head.set_draft_vocab(O.most_frequent_tokens(store, 512, target.config.vocab_size)[0])
     head.bind_target(target.embedding, target.lm_head)
-    to_draft = T.draft_id_map(head.draft_vocab, target.config.vocab_size)
+    to_draft = O.draft_id_map(head.draft_vocab, target.config.vocab_size)
     optimizer = torch.optim.AdamW(head.parameters(), lr=2e-3)
     batches = T.Batches(store, T.TrainConfig(batch_tokens=1))
     input_ids, features, lengths, starts, seq_index = batches.get(random.Random(0), 0)
@@ -239,8 +240,8 @@ def test_head_and_trainer_memorize_one_target_written_sequence(target, prompt_id
     reveal = torch.zeros_like(rows)
     for step in range(250):
         hidden, label_positions = T.head_forward_sequences(head, features.float(), input_ids, rows, anchors, lengths, reveal)
-        topk_ids, topk_logprobs, labels = T.slot_targets(store, seq_index[rows], label_positions, to_draft, reveal)
-        loss, hits, _ = T.loss_and_backward(head, hidden, topk_ids, topk_logprobs, labels, "fkl")
+        topk_ids, topk_logprobs, labels = O.slot_targets(store, seq_index[rows], label_positions, to_draft, reveal)
+        loss, hits, _ = O.loss_and_backward(head, hidden, topk_ids, topk_logprobs, labels, "fkl")
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
