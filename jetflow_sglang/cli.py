@@ -233,6 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW, cosine)")
     tr.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps")
     tr.add_argument("--reveal", type=float, default=None, help="share of blocks that reveal a prefix of true tokens")
+    tr.add_argument("--tap-norm", action=argparse.BooleanOptionalAction, default=None,
+                    help="RMS-normalize each tapped layer's features before the head's fc (default: on)")
+    tr.add_argument("--anchor-fusion", action=argparse.BooleanOptionalAction, default=None,
+                    help="fuse the anchor's embedding with the projected features before it, EAGLE-style (default: on)")
+    tr.add_argument("--depth-sampling", action=argparse.BooleanOptionalAction, default=None,
+                    help="with --depth-decay, draw each slot's loss with probability equal to its weight "
+                         "(same expected gradient, the draft lm_head runs on drawn slots only; default: on)")
+    tr.add_argument("--depth-decay", type=float, default=None,
+                    help="loss weight exp(-(d-1)/DECAY) at draft depth d (0: uniform over depths)")
     tr.add_argument("--init-from-target", action=argparse.BooleanOptionalAction, default=None,
                     help="start the head's layers as copies of the target's last layers (default: off)")
     tr.add_argument("--checkpoint-every", type=_positive("checkpoint every"), default=None,

@@ -39,6 +39,7 @@ class HeadDrafter:
         self.length = 0
         self._keys: list[Tensor] = []
         self._values: list[Tensor] = []
+        self._last_projected: Tensor | None = None  # [1, H]: features of the last committed token, projected
 
     def reset(self, features: Tensor) -> None:
         self.length = 0
@@ -49,7 +50,9 @@ class HeadDrafter:
     def extend(self, features: Tensor) -> None:
         n = features.shape[1]
         positions = torch.arange(self.length, self.length + n, device=features.device)[None]
-        new_kv = self.head.context_kv(features, positions)
+        projected = self.head.project_features(features)
+        new_kv = self.head.projected_kv(projected, positions)
+        self._last_projected = projected[:, -1]
         if not self._keys:
             for k, v in new_kv:
                 shape = (1, k.shape[1], max(self.capacity, n), k.shape[3])
@@ -68,10 +71,10 @@ class HeadDrafter:
     def propose(self, anchor: Tensor, position: int) -> Tensor:
         context = [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self._keys, self._values)]
         positions = torch.tensor([position], device=anchor.device)
-        return self.head.draft(anchor, positions, context)
+        return self.head.draft(anchor, positions, context, anchor_context=self._last_projected)
 
     @torch.inference_mode()
     def refresh(self, tree: DraftTree, position: int) -> Tensor:
         """Logits [1, N, V] of the token after each tree node, given the path to it (optional drafter method)."""
         context = [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self._keys, self._values)]
-        return self.head.refresh(tree.tokens, tree.depths + position, tree.ancestors, context)
+        return self.head.refresh(tree.tokens, tree.depths + position, tree.ancestors, context, anchor_context=self._last_projected)

@@ -59,6 +59,8 @@ class JetFlowConfig:
     max_position_embeddings: int = 8192
     mask_token_id: int = -1  # -1: target_vocab_size (a virtual id past the target vocabulary)
     draft_vocab_size: int = 0  # 0: draft over the whole target vocabulary; else over `draft_vocab` ids only
+    tap_norm: bool = False  # RMS-normalize each tapped layer's features before `fc` (new heads: on)
+    anchor_fusion: bool = False  # the anchor slot also reads the projected features of the token before it
 
     def __post_init__(self) -> None:
         if self.mask_token_id < 0:
@@ -231,7 +233,17 @@ class JetFlowHead(nn.Module):
         self.config = config
         hidden = config.hidden_size
         self.fc = nn.Linear(len(config.target_layer_ids) * config.target_hidden_size, hidden, bias=False)
+        # Residual streams carry a few massive dimensions (here one dimension holds ~99% of the
+        # energy of the middle and late taps); normalized per tap, as the target's own next layer
+        # reads them, every tap and every position gets a say in the context K/V.
+        self.tap_norm = nn.Parameter(torch.ones(len(config.target_layer_ids), config.target_hidden_size)) if config.tap_norm else None
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
+        # EAGLE-style: the anchor slot starts from fuse([embedding of x_a; projected features of
+        # a-1]) and every MASK slot from that plus its depth's embedding: each slot holds the
+        # last context position and the anchor from the start, which attention would otherwise
+        # have to learn to find.
+        self.anchor_fuse = nn.Linear(2 * hidden, hidden, bias=False) if config.anchor_fusion else None
+        self.depth_embedding = nn.Parameter(torch.zeros(config.block_size, hidden)) if config.anchor_fusion else None
         self.layers = nn.ModuleList(HeadLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(hidden))
@@ -249,7 +261,7 @@ class JetFlowHead(nn.Module):
         generator = torch.Generator().manual_seed(seed)
         for name, param in self.named_parameters():
             with torch.no_grad():
-                if name.endswith("norm.weight"):
+                if name.endswith("norm.weight") or name == "tap_norm":
                     param.fill_(1.0)
                 else:
                     std = 0.02 / math.sqrt(2 * self.config.num_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
@@ -277,19 +289,41 @@ class JetFlowHead(nn.Module):
         return self
 
     # -- the pieces every engine uses -------------------------------------------------
-    def embed_block(self, block_tokens: Tensor) -> Tensor:
-        """Embeddings of block tokens; `mask_token_id` maps to the head's MASK embedding."""
+    def embed_block(self, block_tokens: Tensor, positions: Tensor, anchor_context: Tensor | None = None) -> Tensor:
+        """Embeddings of block tokens [b, Q] at positions [b, Q] (slot 0: the anchor);
+        `mask_token_id` maps to the head's MASK embedding. With anchor fusion, slot 0 is
+        fuse([its embedding; anchor_context]), anchor_context [b, H] being the projected
+        features of the position before the anchor (`project_features`), and each MASK slot
+        adds that vector and the embedding of its depth (position - anchor position)."""
         is_mask = block_tokens == self.config.mask_token_id
         embedded = F.embedding(block_tokens.masked_fill(is_mask, 0), self._target_embedding)
-        return torch.where(is_mask[..., None], self.mask_embedding.to(embedded.dtype), embedded)
+        dtype = self.fc.weight.dtype
+        embedded = torch.where(is_mask[..., None], self.mask_embedding.to(embedded.dtype), embedded).to(dtype)
+        if self.anchor_fuse is None:
+            return embedded
+        if anchor_context is None:
+            raise JetFlowError("this head fuses the anchor with the features before it: pass anchor_context")
+        anchor = self.anchor_fuse(torch.cat([embedded[:, 0], anchor_context.to(dtype)], -1))  # [b, H]
+        depths = (positions - positions[:, :1]).clamp(0, self.config.block_size - 1)
+        masks = embedded + anchor[:, None] + self.depth_embedding.to(dtype)[depths]
+        embedded = torch.where(is_mask[..., None], masks, embedded)
+        return torch.cat([anchor[:, None], embedded[:, 1:]], 1)
 
     def project_features(self, features: Tensor) -> Tensor:
         """Fused target features [..., n_taps * H_t] -> head space [..., H]."""
-        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        dtype = self.fc.weight.dtype
+        if self.tap_norm is not None:
+            taps = features.unflatten(-1, self.tap_norm.shape).float()
+            taps = taps * torch.rsqrt(taps.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+            features = (taps.to(dtype) * self.tap_norm.to(dtype)).flatten(-2)
+        return self.hidden_norm(self.fc(features.to(dtype)))
 
     def context_kv(self, features: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Per-layer context K/V of target features [b, T, n_taps*H_t] at positions [b, T]."""
-        projected = self.project_features(features)
+        return self.projected_kv(self.project_features(features), positions)
+
+    def projected_kv(self, projected: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """`context_kv` from already projected features [b, T, H]."""
         return [layer.key_value(projected, positions, self.inv_freq) for layer in self.layers]
 
     def block_mask(self, block_size: int, device: torch.device) -> Tensor:
@@ -304,13 +338,14 @@ class JetFlowHead(nn.Module):
         positions: Tensor,
         context: list[tuple[Tensor, Tensor]],
         attn_mask: Tensor,
+        anchor_context: Tensor | None = None,
     ) -> Tensor:
         """Final-normed hidden states of the block tokens [b, Q, H]."""
-        return self.run_block(block_tokens, positions, dense_attention(context, attn_mask))
+        return self.run_block(block_tokens, positions, dense_attention(context, attn_mask), anchor_context)
 
-    def run_block(self, block_tokens: Tensor, positions: Tensor, attention: Attention) -> Tensor:
+    def run_block(self, block_tokens: Tensor, positions: Tensor, attention: Attention, anchor_context: Tensor | None = None) -> Tensor:
         """`forward_block` with the attention over context and block supplied (e.g. paged, in SGLang)."""
-        hidden = self.embed_block(block_tokens).to(self.fc.weight.dtype)
+        hidden = self.embed_block(block_tokens, positions, anchor_context)
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, positions, self.inv_freq, functools.partial(attention, index))
         return self.norm(hidden)
@@ -328,11 +363,13 @@ class JetFlowHead(nn.Module):
         full = logits.new_full((*logits.shape[:-1], self.config.target_vocab_size), float("-inf"))
         return full.index_copy_(-1, self.draft_vocab, logits)
 
-    def draft(self, anchors: Tensor, anchor_positions: Tensor, context: list[tuple[Tensor, Tensor]], context_valid: Tensor | None = None) -> Tensor:
+    def draft(self, anchors: Tensor, anchor_positions: Tensor, context: list[tuple[Tensor, Tensor]], context_valid: Tensor | None = None,
+              anchor_context: Tensor | None = None) -> Tensor:  # fmt: skip
         """Draft logits for depths 1..B-1 [b, B-1, V] from one pass over [anchor, MASK...].
 
         anchors, anchor_positions: [b]; context: per-layer K/V [b, kv_heads, C, d];
-        context_valid: [b, C] bool for ragged contexts (None: all valid)."""
+        context_valid: [b, C] bool for ragged contexts (None: all valid); anchor_context: [b, H]
+        projected features of the position before the anchor (heads with anchor fusion)."""
         block = self.config.block_size
         b, device = anchors.shape[0], anchors.device
         block_tokens, positions = self.draft_block(anchors, anchor_positions)
@@ -342,7 +379,7 @@ class JetFlowHead(nn.Module):
         mask = torch.cat(
             [context_valid[:, None, :].expand(-1, block, -1), self.block_mask(block, device).expand(b, -1, -1)], -1
         )[:, None]
-        hidden = self.forward_block(block_tokens, positions, context, mask)
+        hidden = self.forward_block(block_tokens, positions, context, mask, anchor_context)
         return self.logits(hidden[:, 1:])
 
     def draft_block(self, anchors: Tensor, anchor_positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -352,11 +389,11 @@ class JetFlowHead(nn.Module):
         block_tokens[:, 0] = anchors
         return block_tokens, anchor_positions[:, None] + torch.arange(block, device=anchors.device)
 
-    def draft_with(self, anchors: Tensor, anchor_positions: Tensor, attention: Attention) -> Tensor:
+    def draft_with(self, anchors: Tensor, anchor_positions: Tensor, attention: Attention, anchor_context: Tensor | None = None) -> Tensor:
         """`draft` with the attention over each request's context and the block supplied: draft
         logits [b, B-1, V]. The attention must apply `block_mask` within the block."""
         block_tokens, positions = self.draft_block(anchors, anchor_positions)
-        return self.logits(self.run_block(block_tokens, positions, attention)[:, 1:])
+        return self.logits(self.run_block(block_tokens, positions, attention, anchor_context)[:, 1:])
 
     def refresh(
         self,
@@ -365,6 +402,7 @@ class JetFlowHead(nn.Module):
         ancestors: Tensor,
         context: list[tuple[Tensor, Tensor]],
         context_valid: Tensor | None = None,
+        anchor_context: Tensor | None = None,
     ) -> Tensor:
         """Path-conditioned draft logits [b, N, V]: row i is q(next token | context, path to node i).
 
@@ -385,7 +423,7 @@ class JetFlowHead(nn.Module):
         if context_valid is None:
             context_valid = torch.ones(b, context_len, dtype=torch.bool, device=device)
         mask = torch.cat([context_valid[:, None, :].expand(-1, 2 * n, -1), block_mask], -1)[:, None]
-        hidden = self.forward_block(tokens, positions, context, mask)
+        hidden = self.forward_block(tokens, positions, context, mask, anchor_context)  # node 0 is the anchor
         return self.logits(hidden[:, n:])
 
     # -- checkpoints ----------------------------------------------------------------------

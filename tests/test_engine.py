@@ -119,6 +119,20 @@ def test_pruned_vocabulary_head_is_lossless(prepared, target, prompt_ids, greedy
         assert engine.generate(ids, RANDOM_HEAD_NEW_TOKENS, on_round=on_round).tokens == reference[:RANDOM_HEAD_NEW_TOKENS]
 
 
+@pytest.mark.parametrize("refresh", [False, True], ids=["one-pass", "refresh"])
+def test_fused_head_is_lossless(prepared, target, prompt_ids, greedy_runs, refresh):
+    """A head with per-tap feature norms and the anchor fused with the last committed token's
+    features (what `jetflow train` builds) drafts through the engine's incremental context and
+    stays token-identical to plain decoding, with and without the refresh pass."""
+    from jetflow_sglang.assets import build_random_head
+
+    head = build_random_head(prepared["target"], tap_norm=True, anchor_fusion=True).float().eval().requires_grad_(False)
+    head.bind_target(target.embedding, target.lm_head)
+    engine = ReferenceEngine(target, HeadDrafter(head), budget=32, refresh=refresh)
+    for ids, (reference, _) in zip(prompt_ids, greedy_runs):
+        assert engine.generate(ids, RANDOM_HEAD_NEW_TOKENS).tokens == reference[:RANDOM_HEAD_NEW_TOKENS]
+
+
 def _longest_true_path(tree, truth: list[int]) -> int:
     """How deep the true continuation runs through the tree (a plain walk over parents)."""
     tokens, parents = tree.tokens[0].tolist(), tree.parents[0].tolist()

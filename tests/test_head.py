@@ -13,7 +13,7 @@ from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.head import JetFlowConfig, JetFlowHead, default_tap_layers
 
 
-def small_head(causal: bool = True, seed: int = 0) -> JetFlowHead:
+def small_head(causal: bool = True, seed: int = 0, **overrides) -> JetFlowHead:
     config = JetFlowConfig(
         target_hidden_size=32,
         target_vocab_size=50,
@@ -26,6 +26,7 @@ def small_head(causal: bool = True, seed: int = 0) -> JetFlowHead:
         num_layers=2,
         block_size=6,
         causal=causal,
+        **overrides,
     )
     generator = torch.Generator().manual_seed(seed)
     head = JetFlowHead(config).init_weights(seed)
@@ -38,12 +39,17 @@ def test_default_taps_follow_the_paper_layout():
     assert default_tap_layers(36) == [1, 9, 18, 27, 33]
 
 
-def test_save_load_roundtrip_without_target_weights(tmp_path):
-    head = small_head()
+FUSED = dict(tap_norm=True, anchor_fusion=True)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_save_load_roundtrip_without_target_weights(tmp_path, fused):
+    head = small_head(**(FUSED if fused else {}))
     head.save(tmp_path / "head")
     saved = load_file(str(tmp_path / "head" / "model.safetensors"))
     assert set(saved) == {name for name, _ in head.named_parameters()}  # the head's own weights only
     assert "mask_embedding" in saved and sum(t.numel() for t in saved.values()) < 60_000
+    assert ("anchor_fuse.weight" in saved and "tap_norm" in saved and "depth_embedding" in saved) is fused
     config = json.loads((tmp_path / "head" / "config.json").read_text())
     assert config["architectures"] == ["JetFlowDraftModel"] and config["model_type"] == "llama"
     assert config["jetflow"]["block_size"] == 6 and config["jetflow"]["causal"] is True
@@ -53,8 +59,9 @@ def test_save_load_roundtrip_without_target_weights(tmp_path):
         assert torch.equal(a, b), name
     features = torch.randn(1, 5, 3 * 32)
     context = head.context_kv(features, torch.arange(5)[None])
-    expected = head.draft(torch.tensor([3]), torch.tensor([5]), context)
-    got = loaded.draft(torch.tensor([3]), torch.tensor([5]), loaded.context_kv(features, torch.arange(5)[None]))
+    last = head.project_features(features[:, -1]) if fused else None
+    expected = head.draft(torch.tensor([3]), torch.tensor([5]), context, anchor_context=last)
+    got = loaded.draft(torch.tensor([3]), torch.tensor([5]), loaded.context_kv(features, torch.arange(5)[None]), anchor_context=last)
     assert torch.equal(expected, got)
 
 
@@ -82,8 +89,9 @@ def test_causal_block_slots_ignore_later_slots_bidirectional_do_not():
         assert early_same is causal
 
 
-def test_incremental_context_equals_full_recompute():
-    head = small_head()
+@pytest.mark.parametrize("fused", [False, True])
+def test_incremental_context_equals_full_recompute(fused):
+    head = small_head(**(FUSED if fused else {}))
     features = torch.randn(1, 9, 96)
     whole = HeadDrafter(head)
     whole.reset(features)
@@ -95,13 +103,48 @@ def test_incremental_context_equals_full_recompute():
     b = pieces.propose(torch.tensor([5]), 9)
     assert a.shape == (1, 5, 50)
     torch.testing.assert_close(a, b)
+    if fused:  # the fused head reads the last committed token's features: they must matter
+        other = HeadDrafter(head)
+        other.reset(torch.cat([features[:, :8], features[:, :1]], 1))
+        assert not torch.allclose(other.propose(torch.tensor([5]), 9), a)
 
 
 def test_mask_token_uses_the_heads_own_embedding():
     head = small_head()
-    embedded = head.embed_block(torch.tensor([[3, 50]]))
+    embedded = head.embed_block(torch.tensor([[3, 50]]), torch.tensor([[7, 8]]))
     torch.testing.assert_close(embedded[0, 0], head._target_embedding[3])
     torch.testing.assert_close(embedded[0, 1], head.mask_embedding.detach())
+
+
+def test_fused_anchor_slot_and_mask_slots_by_hand():
+    """Anchor fusion: slot 0 = fuse([emb(x_a); anchor_context]); a MASK slot at depth d adds
+    that vector and depth_embedding[d] to the MASK embedding; a real token stays its embedding."""
+    head = small_head(tap_norm=True, anchor_fusion=True)
+    context = torch.randn(1, 32)
+    embedded = head.embed_block(torch.tensor([[3, 50, 9, 50]]), torch.tensor([[7, 8, 9, 10]]), context)
+    anchor = head.anchor_fuse(torch.cat([head._target_embedding[3][None], context], -1))[0]
+    torch.testing.assert_close(embedded[0, 0], anchor)
+    torch.testing.assert_close(embedded[0, 1], head.mask_embedding + anchor + head.depth_embedding[1])
+    torch.testing.assert_close(embedded[0, 2], head._target_embedding[9])
+    torch.testing.assert_close(embedded[0, 3], head.mask_embedding + anchor + head.depth_embedding[3])
+    with pytest.raises(JetFlowError, match="anchor_context"):
+        head.embed_block(torch.tensor([[3, 50]]), torch.tensor([[7, 8]]))
+
+
+def test_tap_norm_normalizes_each_tapped_layer_on_its_own():
+    """Per-tap RMS normalization by hand; a tap scaled up 1000x (a residual stream's massive
+    activations) changes nothing, where without the norm it takes the projection over."""
+    head = small_head(tap_norm=True, anchor_fusion=True)
+    features = torch.randn(2, 96, generator=torch.Generator().manual_seed(5))
+    x = features.view(2, 3, 32)
+    expected_taps = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + head.config.rms_norm_eps)
+    expected = head.hidden_norm(head.fc((expected_taps * head.tap_norm).flatten(-2)))
+    torch.testing.assert_close(head.project_features(features), expected)
+    scaled = features.clone()
+    scaled[:, 32:64] *= 1000.0
+    torch.testing.assert_close(head.project_features(scaled), head.project_features(features), rtol=1e-4, atol=1e-4)
+    plain = small_head()
+    assert not torch.allclose(plain.project_features(scaled), plain.project_features(features), atol=1e-2)
 
 
 def test_block_size_below_two_is_refused():
@@ -123,21 +166,23 @@ def test_load_refuses_pickle_and_mismatched_weights(tmp_path):
         JetFlowHead.load(head_dir)
 
 
-def test_refresh_rows_equal_blocks_with_the_path_revealed():
+@pytest.mark.parametrize("fused", [False, True])
+def test_refresh_rows_equal_blocks_with_the_path_revealed(fused):
     """Refresh row i is what the head gives, in training's reveal form, for the block
     [anchor, path tokens to node i, MASK]: the tree-causal mask shows each node only its path."""
     from jetflow_sglang.tree import build_tree
 
-    head = small_head(causal=True, seed=3)
+    head = small_head(causal=True, seed=3, **(FUSED if fused else {}))
     features = torch.randn(1, 7, 3 * 32, generator=torch.Generator().manual_seed(4))
     context = head.context_kv(features, torch.arange(7)[None])
+    last = head.project_features(features[:, -1]) if fused else None
     anchor, position = torch.tensor([11]), 7
-    draft_logprobs = head.draft(anchor, torch.tensor([position]), context).float().log_softmax(-1)
+    draft_logprobs = head.draft(anchor, torch.tensor([position]), context, anchor_context=last).float().log_softmax(-1)
     tree = build_tree(anchor, draft_logprobs, budget=12, width=3)
-    refreshed = head.refresh(tree.tokens, tree.depths + position, tree.ancestors, context)
+    refreshed = head.refresh(tree.tokens, tree.depths + position, tree.ancestors, context, anchor_context=last)
     assert refreshed.shape == (1, 12, 50)
     # The root's refresh row is the one-pass depth-1 draft (same inputs under a causal mask).
-    torch.testing.assert_close(refreshed[0, 0], head.draft(anchor, torch.tensor([position]), context)[0, 0])
+    torch.testing.assert_close(refreshed[0, 0], head.draft(anchor, torch.tensor([position]), context, anchor_context=last)[0, 0])
     parents = tree.parents[0].tolist()
     for i in range(12):
         path = [i]
@@ -146,18 +191,18 @@ def test_refresh_rows_equal_blocks_with_the_path_revealed():
         block = torch.tensor([[int(tree.tokens[0, j]) for j in reversed(path)] + [head.config.mask_token_id]])
         length = block.shape[1]
         mask = torch.cat([torch.ones(1, length, 7, dtype=torch.bool), head.block_mask(length, block.device)[None]], -1)
-        hidden = head.forward_block(block, position + torch.arange(length)[None], context, mask[:, None])
+        hidden = head.forward_block(block, position + torch.arange(length)[None], context, mask[:, None], last)
         torch.testing.assert_close(refreshed[0, i], head.logits(hidden[:, -1])[0], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_paged_draft_equals_dense_draft_and_graph_padding_changes_nothing(causal):
+@pytest.mark.parametrize("causal,fused", [(True, False), (False, False), (True, True)])
+def test_paged_draft_equals_dense_draft_and_graph_padding_changes_nothing(causal, fused):
     """SGLang's proposer: context K/V at scattered KV slots read through req_to_token (the paged
     kernel's torch reference here), batch padded as for CUDA-graph replay, equals `draft` on each
     request's own dense context."""
     from jetflow_sglang.sglang_plugin.proposer import DraftRequest, HeadProposer
 
-    head = small_head(causal=causal, seed=3)
+    head = small_head(causal=causal, seed=3, **(FUSED if fused else {}))
     gen = torch.Generator().manual_seed(4)
     lens, rows = [10, 57, 1], [3, 0, 4]
     req_to_token = torch.zeros(5, 80, dtype=torch.int32)
@@ -174,7 +219,8 @@ def test_paged_draft_equals_dense_draft_and_graph_padding_changes_nothing(causal
     request = DraftRequest(anchors, torch.tensor(lens), torch.tensor(rows), prompts=[[]] * 3, rids=["a", "b", "c"])
     with torch.no_grad():
         dense = torch.cat([
-            head.draft(anchors[i : i + 1], torch.tensor([n]), head.context_kv(features[i][None], torch.arange(n)[None]))
+            head.draft(anchors[i : i + 1], torch.tensor([n]), head.context_kv(features[i][None], torch.arange(n)[None]),
+                       anchor_context=head.project_features(features[i][-1:]) if fused else None)
             for i, n in enumerate(lens)
         ])  # fmt: skip
         paged = proposer.propose(request)

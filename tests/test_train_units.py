@@ -76,6 +76,58 @@ def test_analytic_fkl_gradient_matches_autograd():
     torch.testing.assert_close(grad, reference.grad, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("loss", ["fkl", "sft"])
+def test_depth_weighted_loss_and_its_gradient_match_autograd(loss):
+    """loss_and_backward with exp(-(d-1)/decay) depth weights equals the weighted mean of the
+    per-slot loss written with autograd, in value and in the gradient reaching the hidden states."""
+    head = tiny_head(3)
+    gen = torch.Generator().manual_seed(4)
+    nb, depth, k = 6, head.config.block_size - 1, 4
+    hidden = torch.randn(nb, depth, 32, generator=gen)
+    ids = torch.stack([torch.randperm(50, generator=gen)[:k] for _ in range(nb * depth)]).view(nb, depth, k)
+    log_p = torch.randn(nb, depth, k, generator=gen).log_softmax(-1) + math.log(0.8)
+    labels = torch.randint(0, 50, (nb, depth), generator=gen)
+    ids[0, 3], labels[0, 3] = -2, -1  # a slot past the end
+    weights = O.depth_weights(depth, 2.0)
+    assert weights[0] == 1 and weights[1] == pytest.approx(math.exp(-0.5)) and torch.all(weights[1:] < weights[:-1])
+    leaf = hidden.clone().requires_grad_()
+    value, _, total_weight = O.loss_and_backward(head, leaf, ids, log_p, labels, loss, weights)
+    reference = hidden.clone().requires_grad_()
+    logits = head.draft_vocab_logits(reference)
+    row_weights = weights.expand(nb, -1).flatten()
+    summed = O.soft_label_loss(logits.flatten(0, 1), ids.flatten(0, 1), log_p.flatten(0, 1), labels.flatten(), loss, row_weights)
+    valid = (ids > -2).any(-1) if loss == "fkl" else labels >= 0
+    expected_weight = float((weights.expand(nb, -1) * valid).sum())
+    (summed / expected_weight).backward()
+    assert total_weight == pytest.approx(expected_weight)
+    assert value == pytest.approx((summed / expected_weight).item(), rel=1e-5)
+    torch.testing.assert_close(leaf.grad, reference.grad, rtol=1e-3, atol=1e-5)
+    assert torch.all(leaf.grad[0, 3] == 0)
+
+
+def test_drawn_slots_follow_the_depth_weights_and_cost_nothing_when_dropped():
+    """draw_slots keeps depth d with probability w_d; a dropped slot gets no gradient, and the
+    loss over the kept slots equals the one computed with the dropped slots absent."""
+    weights = O.depth_weights(6, 2.0)
+    gen = torch.Generator().manual_seed(7)
+    topk_ids = torch.randint(0, 50, (4000, 6, 3), generator=gen)
+    labels = torch.randint(0, 50, (4000, 6), generator=gen)
+    drawn_ids, drawn_labels = O.draw_slots(topk_ids, labels, weights, gen)
+    kept = (drawn_ids > -2).any(-1)
+    assert torch.equal(kept, drawn_labels >= 0)
+    assert torch.allclose(kept.float().mean(0), weights, atol=0.03)
+    head = tiny_head(5, block_size=7)
+    hidden = torch.randn(8, 6, 32, generator=gen).requires_grad_()
+    log_p = torch.randn(8, 6, 3, generator=gen).log_softmax(-1)
+    value, _, count = O.loss_and_backward(head, hidden, drawn_ids[:8], log_p, drawn_labels[:8], "fkl")
+    assert count == float(kept[:8].sum())
+    assert torch.all(hidden.grad[~kept[:8]] == 0) and torch.all(hidden.grad[kept[:8]].abs().sum(-1) > 0)
+    rows = kept[:8]
+    logits = head.draft_vocab_logits(hidden.detach()[rows])
+    expected = O.soft_label_loss(logits, drawn_ids[:8][rows], log_p[rows], drawn_labels[:8][rows], "fkl") / rows.sum()
+    assert value == pytest.approx(expected.item(), rel=1e-5)
+
+
 # ------------------------------------------------------------------------ data to slots
 def test_draw_anchors_covers_every_response_position_sorted_by_row():
     lengths, starts = torch.tensor([10, 6, 3]), torch.tensor([4, 1, 3])
@@ -124,10 +176,12 @@ def test_slot_d_of_anchor_a_learns_the_target_distribution_at_a_plus_d_minus_1()
                 assert labels[n, d - 1] == store.input_ids[base + p]
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_packed_sequence_attention_equals_the_per_block_dense_attention(causal):
+@pytest.mark.parametrize("causal,fused", [(True, False), (False, False), (True, True)])
+def test_packed_sequence_attention_equals_the_per_block_dense_attention(causal, fused):
+    """The trainer's packed forward gives each block what `draft` would: the context K/V of
+    positions < a (and, for a fused head, the projected features of a-1 in its slots)."""
     torch.manual_seed(0)
-    head = tiny_head(causal=causal).double()
+    head = tiny_head(causal=causal, tap_norm=fused, anchor_fusion=fused).double()
     lengths = torch.tensor([9, 6])
     features = torch.randn(2, 9, 64, dtype=torch.float64)
     input_ids = torch.randint(0, 50, (2, 9))
@@ -140,9 +194,15 @@ def test_packed_sequence_attention_equals_the_per_block_dense_attention(causal):
         tokens = [int(input_ids[row, a])] + [int(input_ids[row, a + d]) if d <= reveal[n] and a + d < lengths[row]
                                              else head.config.mask_token_id for d in range(1, 5)]  # fmt: skip
         mask = torch.cat([torch.ones(5, a, dtype=torch.bool), head.block_mask(5, "cpu")], -1)[None, None]
-        expected = head.run_block(torch.tensor([tokens]), (a + torch.arange(5))[None], dense_attention(context, mask))
+        anchor_context = head.project_features(features[row : row + 1, a - 1]) if fused else None
+        expected = head.run_block(torch.tensor([tokens]), (a + torch.arange(5))[None], dense_attention(context, mask), anchor_context)
         torch.testing.assert_close(hidden[n], expected[0, 1:])
         assert label_positions[n].tolist() == [a + d if a + d < lengths[row] else -1 for d in range(1, 5)]
+    if causal:  # a truncated block (depth sampling) gives its slots exactly as the whole block does
+        short, short_positions = T.head_forward_sequences(head, features, input_ids, rows, anchors, lengths, reveal.clamp(max=1), 3)
+        assert short.shape[1] == 2 and torch.equal(short_positions, label_positions[:, :2])
+        whole, _ = T.head_forward_sequences(head, features, input_ids, rows, anchors, lengths, reveal.clamp(max=1))
+        torch.testing.assert_close(short, whole[:, :2])
 
 
 # ---------------------------------------------------------------------- draft vocabulary

@@ -57,14 +57,21 @@ class HeadProposer:
         shape = (config.num_layers, num_slots, config.num_key_value_heads, config.head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
+        # Heads with anchor fusion also read the projected features of the token before the
+        # anchor: kept per KV slot too, so a radix-cache hit finds them.
+        fused = head.anchor_fuse is not None
+        self.projected = torch.zeros((num_slots, config.hidden_size) if fused else (0,), dtype=dtype, device=device)
         self.runner = DraftGraphRunner(self.draft, (), device, "eager")
 
     @torch.inference_mode()
     def write_context(self, features: Tensor, slots: Tensor, positions: Tensor) -> None:
         if slots.numel() == 0:
             return
-        kv = self.head.context_kv(features[None], positions.long()[None])  # per layer [1, h, n, d]
+        projected = self.head.project_features(features[None])
+        kv = self.head.projected_kv(projected, positions.long()[None])  # per layer [1, h, n, d]
         slots = slots.long()
+        if self.projected.numel():
+            self.projected[slots] = projected[0].to(self.projected.dtype)
         for layer, (k, v) in enumerate(kv):
             self.keys[layer, slots] = k[0].transpose(0, 1).to(self.keys.dtype)
             self.values[layer, slots] = v[0].transpose(0, 1).to(self.values.dtype)
@@ -80,7 +87,11 @@ class HeadProposer:
                 self.req_to_token, req_pool_indices, seq_lens, causal,
             )  # fmt: skip
 
-        return self.head.draft_with(anchors, seq_lens, attend)
+        anchor_context = None
+        if self.projected.numel():
+            last_slots = self.req_to_token[req_pool_indices, seq_lens - 1].long()
+            anchor_context = self.projected[last_slots]
+        return self.head.draft_with(anchors, seq_lens, attend, anchor_context)
 
     def use_graphs(self, batch_sizes: Sequence[int], mode: str) -> None:
         """Run the draft pass through `DraftGraphRunner` (mode "graph": CUDA graphs per batch size)."""

@@ -14,8 +14,9 @@ LOSSES = ("fkl", "rkl", "sft")
 LOSS_CHUNK_ROWS = 4096  # draft-lm_head rows per chunk of the loss
 
 
-def soft_label_loss(draft_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, labels: Tensor, loss: str) -> Tensor:
-    """Summed loss over slots. draft_logits: [n, K] over the draft vocabulary; topk_ids: [n, k]
+def soft_label_loss(draft_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, labels: Tensor, loss: str,
+                    row_weights: Tensor | None = None) -> Tensor:  # fmt: skip
+    """Summed loss over slots (each times its row weight, if given). draft_logits: [n, K] over the draft vocabulary; topk_ids: [n, k]
     the target's top-k tokens as draft-vocabulary ids (-1: outside it); topk_logprobs: [n, k]
     their target log-probs; labels: [n] the true next token as a draft id (-1: outside it or
     ignored). Rows with topk_ids all -2 are ignored (no target distribution there).
@@ -25,9 +26,11 @@ def soft_label_loss(draft_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tenso
     the label."""
     dtype = torch.promote_types(draft_logits.dtype, torch.float32)
     log_q = F.log_softmax(draft_logits.to(dtype), -1)
+    if row_weights is None:
+        row_weights = torch.ones(len(draft_logits), dtype=dtype, device=draft_logits.device)
     if loss == "sft":
         valid = labels >= 0
-        return -(log_q.gather(-1, labels.clamp(min=0)[:, None])[:, 0] * valid).sum()
+        return -(log_q.gather(-1, labels.clamp(min=0)[:, None])[:, 0] * valid * row_weights).sum()
     valid = (topk_ids > -2).any(-1)
     in_draft = (topk_ids >= 0).to(dtype)
     log_p = topk_logprobs.to(dtype)
@@ -39,7 +42,7 @@ def soft_label_loss(draft_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tenso
         per_slot = (p_top * (log_p - log_q_top)).sum(-1) + p_tail * (p_tail.log() - q_tail.log())
     else:
         per_slot = (q_top * (log_q_top - log_p)).sum(-1) + q_tail * (q_tail.log() - p_tail.log())
-    return (per_slot * valid).sum()
+    return (per_slot * valid * row_weights).sum()
 
 
 def draft_id_map(draft_vocab: Tensor | None, vocab_size: int) -> Tensor:
@@ -99,32 +102,55 @@ def fkl_value_and_grad(logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor) 
     return per_row * valid, grad.mul_(valid[:, None].to(grad.dtype))
 
 
+def draw_slots(topk_ids: Tensor, labels: Tensor, weights: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Keep slot d of each block with probability weights[d-1] (<= 1) and drop the targets of
+    the rest: the uniform mean over kept slots has the weighted loss's expected gradient, and
+    the draft lm_head runs on the kept slots only (with decay 4 over 15 depths, ~27% of them)."""
+    drawn = torch.rand(labels.shape, generator=generator) < weights[None, :]
+    return topk_ids.masked_fill(~drawn[..., None], -2), labels.masked_fill(~drawn, -1)
+
+
+def depth_weights(depths: int, decay: float) -> Tensor:
+    """Loss weight per draft depth 1..depths: uniform (decay 0) or exp(-(d-1)/decay), which
+    puts the gradient where a prefix-accepted draft earns most (DFlash's loss decay)."""
+    if decay <= 0:
+        return torch.ones(depths)
+    return torch.exp(-torch.arange(depths, dtype=torch.float32) / decay)
+
+
 def loss_and_backward(head: JetFlowHead, hidden: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, labels: Tensor,
-                      loss: str) -> tuple[float, Tensor, int]:  # fmt: skip
-    """Mean loss over valid slots, its gradient sent back through `hidden`, per-slot top-1
-    hits [nb, B-1] (draft argmax == the true token) and the number of valid slots. The
-    draft lm_head runs over row chunks, so the logits of all slots never exist at once;
-    for fkl the logits' gradient is written analytically (`fkl_value_and_grad`)."""
+                      loss: str, weights: Tensor | None = None) -> tuple[float, Tensor, float]:  # fmt: skip
+    """Weighted mean loss over valid slots (`weights` [B-1] per depth; None: uniform), its
+    gradient sent back through `hidden`, per-slot top-1 hits [nb, B-1] (draft argmax == the
+    true token; False where a slot has no target) and the total weight of valid slots. The
+    draft lm_head runs over chunks of the valid rows only, so the logits of all slots never
+    exist at once; for fkl the logits' gradient is written analytically (`fkl_value_and_grad`)."""
     flat = hidden.detach().flatten(0, 1)
     ids, logprobs, flat_labels = topk_ids.flatten(0, 1), topk_logprobs.flatten(0, 1), labels.flatten()
-    count = max(1, int(((ids > -2).any(-1) if loss != "sft" else flat_labels >= 0).sum()))
+    if weights is None:
+        weights = torch.ones(labels.shape[1])
+    row_weights = weights.to(flat.device, torch.float32)[None, :].expand(labels.shape[0], -1).flatten()
+    valid = (ids > -2).any(-1) if loss != "sft" else flat_labels >= 0
+    count = max(1e-6, float((row_weights * valid).sum()))
     lm_head = head._target_lm_head if head._draft_lm_head is None else head._draft_lm_head
     total, hits = 0.0, torch.zeros(len(flat_labels), dtype=torch.bool)
-    grad_flat = torch.empty_like(flat)
-    for first in range(0, len(flat), LOSS_CHUNK_ROWS):
-        rows = slice(first, first + LOSS_CHUNK_ROWS)
+    grad_flat = torch.zeros_like(flat)
+    kept = valid.nonzero().squeeze(1)  # slots without a target (past the end, revealed, not drawn) cost nothing
+    for first in range(0, len(kept), LOSS_CHUNK_ROWS):
+        rows = kept[first : first + LOSS_CHUNK_ROWS]
         chunk_labels = flat_labels[rows]
         if loss == "fkl":
             logits = head.draft_vocab_logits(flat[rows]).float()
-            hits[rows] = ((logits.argmax(-1) == chunk_labels) & (chunk_labels >= 0)).cpu()
+            hits[rows.cpu()] = ((logits.argmax(-1) == chunk_labels) & (chunk_labels >= 0)).cpu()
             value, grad_logits = fkl_value_and_grad(logits, ids[rows], logprobs[rows])
-            value = value.sum() / count
-            grad_flat[rows] = (grad_logits.div_(count) @ lm_head.to(grad_logits.dtype)).to(flat.dtype)
+            scale = row_weights[rows] / count
+            value = (value * scale).sum()
+            grad_flat[rows] = (grad_logits.mul_(scale[:, None]) @ lm_head.to(grad_logits.dtype)).to(flat.dtype)
         else:
             chunk = flat[rows].clone().requires_grad_()
             logits = head.draft_vocab_logits(chunk)
-            hits[rows] = ((logits.detach().argmax(-1) == chunk_labels) & (chunk_labels >= 0)).cpu()
-            value = soft_label_loss(logits, ids[rows], logprobs[rows], chunk_labels, loss) / count
+            hits[rows.cpu()] = ((logits.detach().argmax(-1) == chunk_labels) & (chunk_labels >= 0)).cpu()
+            value = soft_label_loss(logits, ids[rows], logprobs[rows], chunk_labels, loss, row_weights[rows]) / count
             value.backward()
             grad_flat[rows] = chunk.grad
         total += value.detach().item()

@@ -42,15 +42,16 @@ class RecipeConfig:
     corpus_prompts: int = 1500  # the next train-split prompts, with ShareGPT's answers; 0: none
     corpus_max_new_tokens: int = 512
     val_prompts: int = 64  # validation-slice prompts (ShareGPT's answers) scored at each checkpoint
-    steps: int = 220
+    steps: int = 1000
     batch_tokens: int = 2048
-    anchor_fraction: float = 0.5
+    anchor_fraction: float = 0.125
     draft_vocab: int = 16384
-    lr: float = 1e-3
-    warmup_steps: int = 20
+    lr: float = 2e-3
+    warmup_steps: int = 30
     layers: int = 2
-    reveal: float = 0.2  # JetFlow head only: share of blocks with a revealed true prefix
-    checkpoint_every: int = 30
+    depth_decay: float = 4.0  # loss weight exp(-(d-1)/4) at draft depth d
+    reveal: float = 0.1  # JetFlow head only: share of blocks with a revealed true prefix
+    checkpoint_every: int = 100
     eval_limits: tuple[int, int] = (40, 20)  # HumanEval, held-out ShareGPT
     eval_max_new_tokens: int = 32
     eval_dtype: str = ""  # default: bf16 where it is native (GPU, AMX), else fp32
@@ -133,7 +134,7 @@ def run_recipe(config: RecipeConfig) -> dict:
             "train", "--data", data, "--val-data", str(val), "--out", str(work / name), "--mask", mask,
             "--layers", str(config.layers), "--steps", str(config.steps), "--batch-tokens", str(config.batch_tokens),
             "--anchor-fraction", str(config.anchor_fraction), "--draft-vocab", str(config.draft_vocab),
-            "--lr", str(config.lr), "--warmup-steps", str(config.warmup_steps),
+            "--lr", str(config.lr), "--warmup-steps", str(config.warmup_steps), "--depth-decay", str(config.depth_decay),
             "--checkpoint-every", str(config.checkpoint_every),
         ]  # fmt: skip
         if mask == "causal" and config.reveal > 0:
@@ -214,7 +215,10 @@ Made by `make train-default` (`python -m jetflow_sglang.training.recipe`). Load 
 `--head {'default' if name == 'jetflow' else 'dflash-t'}` (`jetflow generate/eval/serve/bench`).
 {report.get('note', '')}
 - **Head**: {config['layers']} decoder layers at hidden 576, block size 16, {mask} block mask, bf16 weights
-  (the target's embedding and lm_head are shared, not stored). It drafts over the
+  (the target's embedding and lm_head are shared, not stored). Each tapped target layer is
+  RMS-normalized before the feature projection, and the anchor slot fuses the anchor's embedding
+  with the projected features of the token before it (every MASK slot adds that vector and
+  its depth's embedding). It drafts over the
   {train['draft_vocab']:,} most frequent target tokens of its data (covering {train['draft_vocab_coverage']:.1%} of
   the training response tokens); the target verifies over its full vocabulary.
 - **Data** (ShareGPT V3 train split, first user turns): the first {config['prompts']} prompts answered greedily by
@@ -225,7 +229,8 @@ Made by `make train-default` (`python -m jetflow_sglang.training.recipe`). Load 
   HumanEval, the held-out ShareGPT slice and the validation slice are never trained on.
 - **Training**: {train['steps']} steps of ~{config['batch_tokens']} target tokens, drafting from
   {config['anchor_fraction']:.0%} of each sequence's response positions per step, forward KL to the target's
-  distribution, AdamW lr {config['lr']} (warmup {config['warmup_steps']}, cosine){reveal};
+  distribution weighted exp(-(d-1)/{config.get('depth_decay', 0)}) at depth d, AdamW lr {config['lr']}
+  (warmup {config['warmup_steps']}, cosine){reveal};
   final loss {train['final_loss']:.3f}; {train['seconds_per_step']} s/step, {train['blocks_per_s']} blocks/s.
 - **Wall time on the machine that made it**: regeneration {seconds['regenerate'] / 60:.1f} min,
   training {seconds[f'train-{name}'] / 60:.1f} min (plus the one-time target feature cache, if this run built it),

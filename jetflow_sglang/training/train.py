@@ -32,7 +32,8 @@ from torch import Tensor
 from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.head import JetFlowConfig, JetFlowHead
 
-from jetflow_sglang.training.objective import LOSSES, draft_id_map, loss_and_backward, most_frequent_tokens, slot_targets
+from jetflow_sglang.training.objective import (LOSSES, depth_weights, draft_id_map, draw_slots, loss_and_backward,
+                                               most_frequent_tokens, slot_targets)  # fmt: skip
 
 
 @dataclass
@@ -56,6 +57,10 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     reveal: float = 0.0  # probability that a block reveals a random prefix of true tokens
+    depth_decay: float = 0.0  # loss weight exp(-(d-1)/depth_decay) at depth d; 0: uniform
+    depth_sampling: bool = True  # with depth_decay: draw slots with probability = weight instead of weighting
+    tap_norm: bool = True  # RMS-normalize each tapped layer's features before the head's fc
+    anchor_fusion: bool = True  # the anchor slot fuses its embedding with the features before it
     init_from_target: bool = False  # start the head's layers as copies of the target's last layers
     checkpoint_every: int = 200
     val_blocks: int = 1024  # held-out blocks scored at each checkpoint
@@ -139,12 +144,14 @@ def sequence_attention(context: list[tuple[Tensor, Tensor]], rows: Tensor, ancho
 
 
 def head_forward_sequences(head: JetFlowHead, features: Tensor, input_ids: Tensor, rows: Tensor, anchors: Tensor,
-                           lengths: Tensor, reveal: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+                           lengths: Tensor, reveal: Tensor, width: int = 0) -> tuple[Tensor, Tensor]:  # fmt: skip
     """All blocks of a batch in one pass. features: [b, T, F]; input_ids: [b, T]; rows,
-    anchors, reveal: [nb] (sorted by row). Returns the final hidden states of slots 1..B-1
-    [nb, B-1, H] and the sequence position each slot predicts [nb, B-1] (-1 past the end)."""
+    anchors, reveal: [nb] (sorted by row); width: block slots run (0: the block size; under
+    the causal mask the first slots of a block do not depend on later ones, so a shorter
+    width gives them exactly). Returns the final hidden states of slots 1..width-1
+    [nb, width-1, H] and the sequence position each slot predicts (-1 past the end)."""
     batch, seq_len, _ = features.shape
-    block = head.config.block_size
+    block = width or head.config.block_size
     device = features.device
     offsets = torch.arange(block, device=device)
     positions = anchors[:, None] + offsets  # [nb, B]
@@ -153,8 +160,10 @@ def head_forward_sequences(head: JetFlowHead, features: Tensor, input_ids: Tenso
     revealed = (offsets[None, :] <= reveal[:, None]) & in_range
     block_tokens = torch.where(revealed, true_tokens, torch.full_like(true_tokens, head.config.mask_token_id))
     block_tokens[:, 0] = true_tokens[:, 0]
-    context = head.context_kv(features, torch.arange(seq_len, device=device).expand(batch, -1))
-    hidden = head.run_block(block_tokens, positions, sequence_attention(context, rows, anchors, head.config.causal))
+    projected = head.project_features(features)
+    context = head.projected_kv(projected, torch.arange(seq_len, device=device).expand(batch, -1))
+    anchor_context = projected[rows, anchors - 1] if head.anchor_fuse is not None else None
+    hidden = head.run_block(block_tokens, positions, sequence_attention(context, rows, anchors, head.config.causal), anchor_context)
     label_positions = torch.where(in_range, positions, torch.full_like(positions, -1))[:, 1:]
     return hidden[:, 1:], label_positions
 
@@ -166,7 +175,7 @@ class BlockDrafter(torch.nn.Module):
         super().__init__()
         self.head = head
 
-    def forward(self, *args: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, *args) -> tuple[Tensor, Tensor]:
         return head_forward_sequences(self.head, *args)
 
 
@@ -208,6 +217,8 @@ def _check_config(config: TrainConfig) -> None:
         raise JetFlowError(f"block size must be at least 2, got {config.block_size}")
     if not 0 < config.anchor_fraction <= 1:
         raise JetFlowError(f"--anchor-fraction must be in (0, 1], got {config.anchor_fraction}")
+    if config.depth_decay < 0:
+        raise JetFlowError(f"--depth-decay must be 0 (uniform) or positive, got {config.depth_decay}")
     if config.draft_vocab < 0:
         raise JetFlowError(f"--draft-vocab must be 0 (all) or a positive size, got {config.draft_vocab}")
 
@@ -294,7 +305,7 @@ def train(config: TrainConfig, log=print) -> dict:
     draft_vocab_size = config.draft_vocab if 0 < config.draft_vocab < vocab else 0
     head_config = JetFlowConfig.for_target(
         target.config, num_layers=config.layers, block_size=config.block_size, causal=config.mask == "causal",
-        draft_vocab_size=draft_vocab_size,
+        draft_vocab_size=draft_vocab_size, tap_norm=config.tap_norm, anchor_fusion=config.anchor_fusion,
     )  # fmt: skip
     if not config.resume and (out / "config.json").exists():
         raise JetFlowError(f"{out} already holds a head; pass --resume or choose another --out")
@@ -326,6 +337,7 @@ def train(config: TrainConfig, log=print) -> dict:
     if config.resume:
         step, history, evals = _resume(head, optimizer, out, config)
     to_draft = draft_id_map(head.draft_vocab, vocab)
+    weights = depth_weights(config.block_size - 1, config.depth_decay)
     drafter = BlockDrafter(head)
     if world > 1:
         drafter = torch.nn.parallel.DistributedDataParallel(drafter)
@@ -343,15 +355,27 @@ def train(config: TrainConfig, log=print) -> dict:
             generator = torch.Generator().manual_seed(rng.getrandbits(63))
             input_ids, features, lengths, starts, seq_index = batches.get(rng, pad_id=0)
             rows, anchors = draw_anchors(lengths, starts, config.anchor_fraction, rng)
-            revealed = torch.randint(0, config.block_size - 1, (len(rows),), generator=generator)
+            width, sampled = config.block_size, config.depth_decay > 0 and config.depth_sampling
+            if sampled and config.mask == "causal":
+                # Depth sampling by truncation: the step runs depths 1..L with P(L >= d) = w_d, so
+                # the kept slots' mean has the weighted loss's expected gradient at ~sum(w)/(B-1)
+                # of the cost (exact per slot: a causal slot does not see the slots after it).
+                width = 1 + int((weights > torch.rand((), generator=generator)).sum())
+            revealed = torch.randint(0, width - 1, (len(rows),), generator=generator)
             reveal = torch.where(torch.rand(len(rows), generator=generator) < config.reveal, revealed, 0)
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(config, step)
             batch = [t.to(device) for t in (features, input_ids, rows, anchors, lengths, reveal)]
             with autocast:
-                hidden, label_positions = drafter(*batch)
+                hidden, label_positions = drafter(*batch, width)
                 topk_ids, topk_logprobs, labels = slot_targets(store, seq_index[rows], label_positions.cpu(), to_draft, reveal)
-                loss, hits, _ = loss_and_backward(head, hidden, topk_ids.to(device), topk_logprobs.to(device), labels.to(device), config.loss)
+                loss_weights = weights[: width - 1]
+                if sampled:
+                    if config.mask != "causal":  # bidirectional slots see each other: run all, draw the losses
+                        topk_ids, labels = draw_slots(topk_ids, labels, weights, generator)
+                    loss_weights = None
+                loss, hits, _ = loss_and_backward(head, hidden, topk_ids.to(device), topk_logprobs.to(device),
+                                                  labels.to(device), config.loss, loss_weights)  # fmt: skip
             torch.nn.utils.clip_grad_norm_(head.parameters(), config.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -453,7 +477,7 @@ def _resume(head: JetFlowHead, optimizer, out: Path, config: TrainConfig) -> tup
         raise JetFlowError(f"nothing to resume in {out}")
     meta = json.loads(meta_path.read_text())
     saved = meta["config"]
-    for key in ("loss", "mask", "block_size", "layers", "target", "draft_vocab"):
+    for key in ("loss", "mask", "block_size", "layers", "target", "draft_vocab", "tap_norm", "anchor_fusion"):
         if saved.get(key) != getattr(config, key):
             raise JetFlowError(f"resume checkpoint in {out} was trained with {key}={saved.get(key)!r}, not {getattr(config, key)!r}")
     state = load_file(str(state_path))
