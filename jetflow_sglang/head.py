@@ -305,7 +305,7 @@ class JetFlowHead(nn.Module):
             raise JetFlowError("this head fuses the anchor with the features before it: pass anchor_context")
         anchor = self.anchor_fuse(torch.cat([embedded[:, 0], anchor_context.to(dtype)], -1))  # [b, H]
         depths = (positions - positions[:, :1]).clamp(0, self.config.block_size - 1)
-        masks = embedded + anchor[:, None] + self.depth_embedding.to(dtype)[depths]
+        masks = embedded + anchor[:, None] + F.embedding(depths, self.depth_embedding.to(dtype))
         embedded = torch.where(is_mask[..., None], masks, embedded)
         return torch.cat([anchor[:, None], embedded[:, 1:]], 1)
 

@@ -190,6 +190,12 @@ def per_depth_table(report: dict, name: str) -> str:
     return "\n".join(rows)
 
 
+def _minutes(seconds: dict, stages: list[str]) -> str:
+    if not all(stage in seconds for stage in stages):
+        return "not timed (an earlier run made it)"
+    return f"{sum(seconds[stage] for stage in stages) / 60:.1f} min"
+
+
 def model_card(name: str, report: dict) -> str:
     config, train = report["config"], report["train"][name]
     seconds = report["stage_seconds"]
@@ -232,9 +238,9 @@ Made by `make train-default` (`python -m jetflow_sglang.training.recipe`). Load 
   distribution weighted exp(-(d-1)/{config.get('depth_decay', 0)}) at depth d, AdamW lr {config['lr']}
   (warmup {config['warmup_steps']}, cosine){reveal};
   final loss {train['final_loss']:.3f}; {train['seconds_per_step']} s/step, {train['blocks_per_s']} blocks/s.
-- **Wall time on the machine that made it**: regeneration {seconds['regenerate'] / 60:.1f} min,
-  training {seconds[f'train-{name}'] / 60:.1f} min (plus the one-time target feature cache, if this run built it),
-  evaluation {sum(seconds[f'eval-{name}-{p}'] + seconds[f'per-depth-{name}-{p}'] for p in EVAL_SETS) / 60:.1f} min.
+- **Wall time on the machine that made it**: regeneration {_minutes(seconds, ['regenerate'])},
+  training {_minutes(seconds, [f'train-{name}'])} (plus the one-time target feature cache, if this run built it),
+  evaluation {_minutes(seconds, [f'{stage}-{name}-{p}' for stage in ('eval', 'per-depth') for p in EVAL_SETS])}.
 
 ![loss](loss.png)
 

@@ -162,7 +162,9 @@ def head_forward_sequences(head: JetFlowHead, features: Tensor, input_ids: Tenso
     block_tokens[:, 0] = true_tokens[:, 0]
     projected = head.project_features(features)
     context = head.projected_kv(projected, torch.arange(seq_len, device=device).expand(batch, -1))
-    anchor_context = projected[rows, anchors - 1] if head.anchor_fuse is not None else None
+    anchor_context = None
+    if head.anchor_fuse is not None:  # index_select: its backward accumulates in a fixed order (a resume repeats exactly)
+        anchor_context = projected.flatten(0, 1).index_select(0, rows * seq_len + anchors - 1)
     hidden = head.run_block(block_tokens, positions, sequence_attention(context, rows, anchors, head.config.causal), anchor_context)
     label_positions = torch.where(in_range, positions, torch.full_like(positions, -1))[:, 1:]
     return hidden[:, 1:], label_positions
