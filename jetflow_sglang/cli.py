@@ -238,8 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--anchor-fusion", action=argparse.BooleanOptionalAction, default=None,
                     help="fuse the anchor's embedding with the projected features before it, EAGLE-style (default: on)")
     tr.add_argument("--depth-sampling", action=argparse.BooleanOptionalAction, default=None,
-                    help="with --depth-decay, draw each slot's loss with probability equal to its weight "
-                         "(same expected gradient, the draft lm_head runs on drawn slots only; default: on)")
+                    help="with --depth-decay, sample depths instead of weighting them: causal heads run blocks "
+                         "truncated at depth L with P(L >= d) = weight, bidirectional ones draw each slot's loss "
+                         "(same expected gradient, less compute; default: on)")
     tr.add_argument("--depth-decay", type=float, default=None,
                     help="loss weight exp(-(d-1)/DECAY) at draft depth d (0: uniform over depths)")
     tr.add_argument("--init-from-target", action=argparse.BooleanOptionalAction, default=None,

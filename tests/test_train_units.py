@@ -281,14 +281,15 @@ def test_validation_scores_an_oracle_head_perfectly_and_lookup_by_hand():
 # ------------------------------------------------------------------------ memorization
 @pytest.mark.slow
 def test_head_and_trainer_memorize_one_target_written_sequence(target, prompt_ids):
-    """Sanity check before any scaling: on one sequence the head reaches depth-1 top-1 >= 0.9."""
+    """Sanity check before any scaling: on one sequence the head the trainer builds (tap norm,
+    anchor fusion) reaches depth-1 top-1 >= 0.8 within 250 steps."""
     from jetflow_sglang.engine import generate_ar
     from jetflow_sglang.training.features import featurize, store_from_parts
 
     ids = prompt_ids[6]
     sequence = ids + generate_ar(target, ids, 48, ignore_eos=True).tokens
     store = store_from_parts([featurize(target, [{"ids": sequence, "prompt_len": len(ids)}])])
-    config = JetFlowConfig.for_target(target.config, num_layers=1, draft_vocab_size=512)
+    config = JetFlowConfig.for_target(target.config, num_layers=1, draft_vocab_size=512, tap_norm=True, anchor_fusion=True)
     head = JetFlowHead(config).init_weights(0)
     head.set_draft_vocab(O.most_frequent_tokens(store, 512, target.config.vocab_size)[0])
     head.bind_target(target.embedding, target.lm_head)
@@ -306,4 +307,4 @@ def test_head_and_trainer_memorize_one_target_written_sequence(target, prompt_id
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     depth1 = hits[:, 0][labels[:, 0] >= 0].float().mean().item()
-    assert depth1 >= 0.8, (depth1, loss)  # 0.875 measured at this seed; random start: 0.0
+    assert depth1 >= 0.8, (depth1, loss)  # 0.854 measured at this seed (fused head; 0.77 without fusion); random start: 0.0

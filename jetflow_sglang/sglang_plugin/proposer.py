@@ -59,8 +59,9 @@ class HeadProposer:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         # Heads with anchor fusion also read the projected features of the token before the
         # anchor: kept per KV slot too, so a radix-cache hit finds them.
-        fused = head.anchor_fuse is not None
-        self.projected = torch.zeros((num_slots, config.hidden_size) if fused else (0,), dtype=dtype, device=device)
+        self.projected: Tensor | None = None
+        if head.anchor_fuse is not None:
+            self.projected = torch.zeros(num_slots, config.hidden_size, dtype=dtype, device=device)
         self.runner = DraftGraphRunner(self.draft, (), device, "eager")
 
     @torch.inference_mode()
@@ -70,7 +71,7 @@ class HeadProposer:
         projected = self.head.project_features(features[None])
         kv = self.head.projected_kv(projected, positions.long()[None])  # per layer [1, h, n, d]
         slots = slots.long()
-        if self.projected.numel():
+        if self.projected is not None:
             self.projected[slots] = projected[0].to(self.projected.dtype)
         for layer, (k, v) in enumerate(kv):
             self.keys[layer, slots] = k[0].transpose(0, 1).to(self.keys.dtype)
@@ -88,7 +89,7 @@ class HeadProposer:
             )  # fmt: skip
 
         anchor_context = None
-        if self.projected.numel():
+        if self.projected is not None:
             last_slots = self.req_to_token[req_pool_indices, seq_lens - 1].long()
             anchor_context = self.projected[last_slots]
         return self.head.draft_with(anchors, seq_lens, attend, anchor_context)
