@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 
@@ -141,6 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from jetflow_sglang import server as sglang_server
     from jetflow_sglang.assets import head_dir_for, resolve_target
+    from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV
     from jetflow_sglang.target import check_model_dir
     from jetflow_sglang.tree import MAX_BUDGET
 
@@ -153,6 +155,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         if probe.connect_ex((sglang_server.HOST, args.port)) == 0:
             raise JetFlowError(f"port {args.port} on {sglang_server.HOST} is already in use")
+    os.environ[LOOKUP_ENV] = "1" if args.lookup else "0"  # read by the JETFLOW worker in the server
     code = sglang_server.serve_forever(str(target), extra, args.port, DTYPES[args.dtype], args.max_total_tokens)
     if code not in (0, -15):
         raise JetFlowError(f"sglang server exited with {code}")
@@ -180,21 +183,21 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.set_defaults(func=cmd_prepare)
 
     gen = sub.add_parser("generate", help="speculative generation on the HF reference engine")
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", required=True, help="prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
     gen.add_argument("--target", default="default", help="default or a HF model directory")
     gen.add_argument("--head", default="default", help="default, random, or a head directory")
     gen.add_argument("--budget", type=int, default=64, help="tree nodes per round, root included (1..512)")
     gen.add_argument("--width", type=_positive("width"), default=7, help="top-k per draft depth")
-    gen.add_argument("--max-new-tokens", type=_positive("max new tokens"), default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--max-new-tokens", type=_positive("max new tokens"), default=128, help="new tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target and head dtype")
     gen.add_argument("--repeats", type=_positive("repeats"), default=1, help="timed runs; tokens/s is the median")
-    gen.add_argument("--lookup", action="store_true",
-                     help="merge the prompt-lookup continuation into each draft tree (same budget)")
+    gen.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
+                     help="merge the prompt-lookup continuation into each draft tree, same budget (default: on)")
     gen.add_argument("--compare-ar", action="store_true", help="also decode with the target alone and compare")
     gen.add_argument("--json", action="store_true", help="print one JSON line")
     gen.set_defaults(func=cmd_generate)
@@ -245,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="loss weight exp(-(d-1)/DECAY) at draft depth d (0: uniform over depths)")
     tr.add_argument("--init-from-target", action=argparse.BooleanOptionalAction, default=None,
                     help="start the head's layers as copies of the target's last layers (default: off)")
+    tr.add_argument("--init-head", default=None,
+                    help="start from this head directory's weights with a new schedule and optimizer "
+                         "(continue a finished run; its architecture must match)")
     tr.add_argument("--checkpoint-every", type=_positive("checkpoint every"), default=None,
                     help="steps between checkpoints (and held-out metrics)")
     tr.add_argument("--val-blocks", type=_positive("val blocks"), default=None, help="held-out blocks scored per checkpoint")
@@ -261,8 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-new-tokens", type=_positive("max new tokens"), default=128, help="new tokens per prompt")
     ev.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target and head dtype")
     ev.add_argument("--refresh", action="store_true", help="re-expand each tree after a path-conditioned head pass")
-    ev.add_argument("--lookup", action="store_true",
-                    help="merge the prompt-lookup continuation into each draft tree (same budget)")
+    ev.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
+                    help="merge the prompt-lookup continuation into each draft tree, same budget (default: on)")
     ev.add_argument("--per-depth", action="store_true",
                     help="top-1 per draft depth and chain tau of the head beside prompt lookup, on the same anchors")
     ev.add_argument("--json", action="store_true", help="print JSON lines")
@@ -276,22 +282,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--target", default="default", help="default or a HF model directory")
     serve.add_argument("--head", default="default", help="default, random, or a head directory")
-    serve.add_argument("--port", type=_positive("port"), default=30000)
+    serve.add_argument("--port", type=_positive("port"), default=30000, help="port on 127.0.0.1")
     serve.add_argument("--budget", type=int, default=64, help="tree nodes per round (--speculative-num-draft-tokens)")
     serve.add_argument("--no-spec", action="store_true", help="serve the target alone")
-    serve.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    serve.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
+                       help="merge each request's prompt-lookup continuation into its draft tree (default: on)")
+    serve.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target dtype")
     serve.add_argument("--max-total-tokens", type=_positive("max total tokens"), default=8192, help="KV cache size")
     serve.set_defaults(func=cmd_serve, passthrough=True)
 
     bench = sub.add_parser("bench", help="tokens/s and tau of an SGLang server with and without JETFLOW")
-    bench.add_argument("--target", default="default")
+    bench.add_argument("--target", default="default", help="default or a HF model directory")
     bench.add_argument("--head", default="default", help="default, random, or a head directory")
     bench.add_argument("--prompts", default="humaneval", help="demo, humaneval, sharegpt-heldout, or a JSON/JSONL file")
-    bench.add_argument("--limit", type=_positive("limit"), default=8)
-    bench.add_argument("--budget", type=int, default=64)
-    bench.add_argument("--max-new-tokens", type=_positive("max new tokens"), default=256)
+    bench.add_argument("--limit", type=_positive("limit"), default=8, help="first N prompts of the set")
+    bench.add_argument("--budget", type=int, default=64, help="tree nodes per round, root included (1..512)")
+    bench.add_argument("--max-new-tokens", type=_positive("max new tokens"), default=256, help="new tokens per prompt")
     bench.add_argument("--ignore-eos", action="store_true", help="always decode max-new-tokens tokens")
-    bench.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    bench.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
+                       help="JETFLOW merges each request's prompt-lookup continuation into its tree (default: on)")
+    bench.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target dtype of both servers")
     bench.add_argument("--show-text", action="store_true", help="print each answer")
     bench.add_argument("--out", default=None, help="write the JSON report here")
     bench.add_argument("--json", action="store_true", help="print the report as one JSON line")

@@ -23,6 +23,7 @@ from typing import Optional
 from jetflow_sglang import server as sglang_server
 from jetflow_sglang.training.data import Prompt, humaneval_prompts, load_prompts, sharegpt_prompts
 from jetflow_sglang.errors import JetFlowError
+from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV
 
 DEMO_SHAREGPT, DEMO_HUMANEVAL, DEMO_MAX_CHARS = 3, 3, 400
 PROFILE_MARK = "JETFLOW profile "
@@ -37,6 +38,7 @@ class BenchConfig:
     budget: int = 64
     max_new_tokens: int = 256
     ignore_eos: bool = False
+    lookup: bool = True  # the JETFLOW server merges prompt-lookup continuations into its trees
     dtype: str = "float32"
     show_text: bool = False
     out: Optional[str] = None  # JSON report path
@@ -108,7 +110,7 @@ def run_bench(config: BenchConfig, echo=print) -> dict:
             servers["ar"] = sglang_server.start(str(target), logs["ar"], dtype=config.dtype)
             servers["jetflow"] = sglang_server.start(
                 str(target), logs["jetflow"], *sglang_server.jetflow_args(head_dir, config.budget),
-                dtype=config.dtype, env={"JETFLOW_PROFILE": "1"},
+                dtype=config.dtype, env={"JETFLOW_PROFILE": "1", LOOKUP_ENV: "1" if config.lookup else "0"},
             )  # fmt: skip
         except RuntimeError as exc:
             raise JetFlowError(f"{str(exc).splitlines()[0]} (server logs in {work})") from None

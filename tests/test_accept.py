@@ -164,7 +164,6 @@ def test_greedy_random_trees_match_reference_walk(case):
                 kid = kids[int(torch.randint(0, len(kids), (), generator=gen))]
                 logits[b, node, tree.tokens[b, kid]] = 10.0
     picks = target_picks(logits, temperature=0.0)
-    assert torch.equal(picks, logits.argmax(-1))
     acc = accept_tree(tree, picks, max_depth=depths)
     check_against_reference(tree, picks, acc, depths)
     if budget > 1:  # (budget 1 with the default max_depth 0: see test_greedy_root_only)

@@ -4,13 +4,15 @@
   that stop at EOS, raw completions that run to the token limit), and each prompt's
   continuation run past EOS for the oracle.
 * JETFLOW servers at budgets 16, 64 and 256 (each started once) must return the same
-  token ids at concurrency 1 and 8. Half of the prompts are drafted by the seeded
-  random head (accepts almost nothing: overhead and losslessness), the other half by
+  token ids at concurrency 1 and 8. Half of the prompts are drafted by the shipped
+  head with the prompt-lookup free branch (short accepted paths), the other half by
   the test oracle (`JETFLOW_TEST_ORACLE`), which puts the true continuation at random
   ranks of each depth's top-k: long accepted paths, KV compaction over long paths, EOS
   and max_new_tokens inside an accepted path, in batches mixed with head-drafted
   requests of different prefix lengths.
 * Per-request tau is readable from meta_info; a repeated prompt hits the radix cache.
+* The prompt-lookup free branch is on in these servers; a JETFLOW_LOOKUP=0 server drafts with
+  the head alone, both lossless, lookup committing more per round on repetitive text.
 * Bad heads and budgets: the launcher exits non-zero with a message naming the problem.
 """
 
@@ -204,6 +206,54 @@ def test_triton_kernels_in_the_worker_are_lossless(target_dir, head_dir, cases, 
         assert out["output_ids"] == reference["output_ids"][i], i
     oracle_meta = outputs[-1]["meta_info"]
     assert 1 + oracle_meta["spec_num_correct_drafts"] / oracle_meta["spec_verify_ct"] > 2.0
+
+
+REPETITIVE = "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday, Monday, Tuesday, Wednesday, Thursday,"
+
+
+@pytest.mark.slow
+def test_lookup_branch_raises_tau_and_switches_off(target_dir, head_dir, cases, reference, tmp_path):
+    """The free branch (each request's prompt-lookup continuation merged into its tree) is on by
+    default (the servers above run with it); with JETFLOW_LOOKUP=0 the head drafts alone. Both
+    return the no-spec ids; on text that repeats its context, lookup commits more per round.
+    Cross-engine: each request's verify rounds and accepted drafts equal the HF reference
+    engine's for the same head, budget and lookup setting (fp32), so the server's drafting
+    (paged head context, tree, free branch) is the reference's, not merely lossless."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from jetflow_sglang.assets import load_target_and_head
+    from jetflow_sglang.drafter import HeadDrafter
+    from jetflow_sglang.engine import ReferenceEngine
+
+    repetitive = {"ids": AutoTokenizer.from_pretrained(target_dir)(REPETITIVE).input_ids, "max_new_tokens": 40}
+    picked = [0, 3, 5, 6]  # head-drafted cases (chat and raw)
+    requests = [cases[i] for i in picked] + [repetitive]
+    target, head = load_target_and_head(target_dir, head_dir, torch.float32)
+    results = {}
+    for lookup in ("1", "0"):
+        server = sglang_server.start(
+            target_dir, tmp_path / f"lookup{lookup}.log", *sglang_server.jetflow_args(head_dir, 16),
+            env={"JETFLOW_LOOKUP": lookup},
+        )  # fmt: skip
+        try:
+            outputs = _run_all(server.url, requests, 5)
+        finally:
+            server.stop()
+        for i, out in zip(picked, outputs):
+            assert out["output_ids"] == reference["output_ids"][i], (lookup, i)
+        engine = ReferenceEngine(target, HeadDrafter(head), budget=16, lookup=lookup == "1")
+        for case, out in zip(requests, outputs):
+            local = engine.generate(case["ids"], case["max_new_tokens"])
+            meta = out["meta_info"]
+            assert local.tokens == out["output_ids"], (lookup, case)
+            assert (meta["spec_verify_ct"], meta["spec_num_correct_drafts"]) == (local.rounds, sum(local.accept_lengths)), (
+                lookup, case, local.accept_lengths)  # fmt: skip
+        meta = outputs[-1]["meta_info"]
+        results[lookup] = (outputs[-1]["output_ids"], 1 + meta["spec_num_correct_drafts"] / meta["spec_verify_ct"])
+    assert results["1"][0] == results["0"][0] and len(results["1"][0]) == 40
+    print(f"repetitive prompt, budget 16: tau with lookup {results['1'][1]:.2f}, head alone {results['0'][1]:.2f}")
+    assert results["1"][1] > results["0"][1] + 0.5 and results["1"][1] > 3.0, results
 
 
 @pytest.mark.slow

@@ -316,7 +316,7 @@ def test_bench_serving_sharegpt_completes_with_accept_length(servers, assets, tm
     report = json.loads(result_file.read_text().splitlines()[-1])
     assert report["completed"] == 16, output[-4000:]
     assert "Accept length:" in output, output[-4000:]
-    assert report.get("accept_length", 0) >= 1.0
+    assert report.get("accept_length", 0) > 1.0  # 1.0: no draft was ever accepted
 
 
 # ------------------------------------------------------------------- jetflow serve

@@ -45,6 +45,7 @@ from jetflow_sglang.accept import Acceptance
 from jetflow_sglang.head import JetFlowHead
 from jetflow_sglang.tree import DraftTree
 
+from .lookup_branch import LookupBranch, lookup_enabled
 from .proposer import DraftRequest, HeadProposer, OracleProposer, Proposer
 from .spec_algo import request_error
 from .verify_input import verify_input
@@ -83,6 +84,7 @@ class JetFlowWorker(BaseSpecWorker):
         # Before the target's attention backends and graphs are set up (scheduler order).
         model.set_dflash_layers_to_capture(list(head.config.target_layer_ids))
         self.proposer: Optional[Proposer] = None
+        self.lookup = LookupBranch(self.depths) if lookup_enabled() else None
         self.profile = os.environ.get(PROFILE_ENV, "") == "1"
         self.dump_dir = os.environ.get(DUMP_FEATURES_ENV) or None
         self.timings: dict[str, float] = defaultdict(float)
@@ -209,6 +211,8 @@ class JetFlowWorker(BaseSpecWorker):
             [torch.arange(p, p + n, device=self.device) for p, n in zip(batch.prefix_lens, extend_lens)]
         )
         self.proposer.write_context(hidden, batch.out_cache_loc, positions)
+        if self.lookup is not None:
+            self.lookup.on_extend(batch.reqs, batch.seq_lens)
         if self.dump_dir:
             self._dump_features(batch, hidden, positions)
         out.logits_output.hidden_states = None
@@ -254,6 +258,8 @@ class JetFlowWorker(BaseSpecWorker):
 
         topk_logprobs, topk_tokens = logits.float().log_softmax(-1).topk(min(self.width, logits.shape[-1]), dim=-1)
         tree = build_tree_from_topk(anchors, topk_logprobs, topk_tokens, budget)
+        if self.lookup is not None:
+            tree = self.lookup.merge(tree, batch.reqs, seq_lens, anchors)
         masks = tree_masks(tree.parents, tree.depths, seq_lens, packed=False)
         spec_input = verify_input(
             masks.full_mask, budget, self.depths, self.width,
@@ -288,6 +294,8 @@ class JetFlowWorker(BaseSpecWorker):
         logits_output.hidden_states = None
 
         committed = acceptance.committed_tokens(tree)[:, :span]
+        if self.lookup is not None:
+            self.lookup.on_accept(batch.reqs, seq_lens, anchors, committed, acceptance.num_accepted)
         if batch.return_logprob:  # per request, its committed tokens' log-probs (SGLang slices accept_lens)
             logits = logits_output.next_token_logits.view(bs, budget, -1)
             logits_output.next_token_logprobs = committed_logprobs(logits, path, committed)

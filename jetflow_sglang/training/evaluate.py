@@ -33,7 +33,7 @@ class EvalConfig:
     width: int = 7
     dtype: str = "float32"
     refresh: bool = False  # path-conditioned second head pass per round
-    lookup: bool = False  # merge the prompt-lookup continuation into each tree (same budget)
+    lookup: bool = True  # merge the prompt-lookup continuation into each tree (same budget)
     per_depth: bool = False  # score top-1 per depth against prompt lookup instead of timing the engine
 
 

@@ -62,6 +62,7 @@ class TrainConfig:
     tap_norm: bool = True  # RMS-normalize each tapped layer's features before the head's fc
     anchor_fusion: bool = True  # the anchor slot fuses its embedding with the features before it
     init_from_target: bool = False  # start the head's layers as copies of the target's last layers
+    init_head: str = ""  # start from this head's weights (a new schedule and optimizer: continue a finished run)
     checkpoint_every: int = 200
     val_blocks: int = 1024  # held-out blocks scored at each checkpoint
     seed: int = 0
@@ -251,6 +252,19 @@ def load_store(target, target_dir: Path, data: str, max_seq_len: int, log=print)
 
 
 @torch.no_grad()
+def load_init_head(head_spec: str, target_dir: Path, head_config: JetFlowConfig) -> JetFlowHead:
+    """The head a run starts from (`default` or a directory); its architecture must be this run's."""
+    from jetflow_sglang.assets import load_head
+
+    start = load_head(head_spec, target_dir)
+    mine, theirs = head_config.to_json_dict(), start.config.to_json_dict()
+    differing = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+    if differing:
+        raise JetFlowError(f"--init-head {head_spec} does not match this run's head: {', '.join(differing)} differ")
+    return start
+
+
+@torch.no_grad()
 def init_from_target(head: JetFlowHead, target_model) -> None:
     """Head layers start as the target's last layers (the ones that read the last tap's
     output), the final norm as the target's, and `fc` as a pass-through of the last tap:
@@ -311,6 +325,7 @@ def train(config: TrainConfig, log=print) -> dict:
     )  # fmt: skip
     if not config.resume and (out / "config.json").exists():
         raise JetFlowError(f"{out} already holds a head; pass --resume or choose another --out")
+    start_head = load_init_head(config.init_head, target_dir, head_config) if config.init_head and not config.resume else None
     target.set_tap_layers(head_config.target_layer_ids)
     quiet = lambda *_: None  # noqa: E731
     if rank == 0:
@@ -332,6 +347,9 @@ def train(config: TrainConfig, log=print) -> dict:
         head.set_draft_vocab(ids)
     if config.init_from_target and not config.resume:
         init_from_target(head, target.model)
+    if start_head is not None:
+        head.load_state_dict(start_head.state_dict())  # its weights and its draft vocabulary
+        del start_head
     head = head.to(device).bind_target(embedding, lm_head)
     del target  # only its embedding and lm_head are needed from here on
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))

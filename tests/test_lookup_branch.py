@@ -1,0 +1,96 @@
+"""The SGLang worker's free branch (sglang_plugin/lookup_branch.py): its own record of each
+request's committed ids across extend and accepted paths, and the per-request merge into a
+batch of trees. The server tests (test_sglang_jetflow.py) check it end to end against the
+no-spec server."""
+
+from __future__ import annotations
+
+from array import array
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from jetflow_sglang.lookup import lookup_draft
+from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV, LookupBranch, lookup_enabled
+from jetflow_sglang.tree import build_tree, merge_chain
+
+DEPTHS = 6
+
+
+def request(rid: str, ids: list[int]):
+    """What the branch reads of an SGLang Req: its id and origin + output ids."""
+    return SimpleNamespace(rid=rid, full_untruncated_fill_ids=array("q", ids))
+
+
+def trees(anchors: list[int], budget: int = 12, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    logprobs = torch.randn(len(anchors), DEPTHS, 50, generator=gen).log_softmax(-1)
+    return build_tree(torch.tensor(anchors), logprobs, budget)
+
+
+def test_each_row_gets_its_own_chain_and_the_rest_stay():
+    repeating = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]  # anchor 3: lookup continues 4, 5, 1, 2, ...
+    no_repeat = [10, 11, 12, 13]  # anchor 14 never occurred: no chain
+    reqs = [request("a", repeating), request("b", no_repeat)]
+    branch = LookupBranch(DEPTHS)
+    seq_lens = torch.tensor([len(repeating), len(no_repeat)])
+    branch.on_extend(reqs, seq_lens)
+    anchors = torch.tensor([3, 14])
+    tree = trees([3, 14])
+    merged = branch.merge(tree, reqs, seq_lens, anchors)
+    chain = lookup_draft(repeating + [3], DEPTHS)
+    assert chain == [4, 5, 1, 2, 3, 4]
+    want = merge_chain(trees([3]), torch.tensor(chain), branch.chain_logprob)
+    for field in ("tokens", "parents", "depths", "scores", "ancestors"):
+        assert torch.equal(getattr(merged, field)[0], getattr(want, field)[0]), field
+        assert torch.equal(getattr(merged, field)[1], getattr(tree, field)[1]), field
+
+
+def test_accepted_paths_extend_the_record_and_feed_the_next_round():
+    ids = [7, 8, 9, 7, 8]
+    reqs = [request("a", ids)]
+    branch = LookupBranch(DEPTHS)
+    branch.on_extend(reqs, torch.tensor([5]))
+    # Round: anchor 9 at position 5; two drafts accepted (7, 8), bonus 9.
+    committed = torch.tensor([[7, 8, 9, -1]])
+    branch.on_accept(reqs, torch.tensor([5]), torch.tensor([9]), committed, torch.tensor([2]))
+    assert branch.committed["a"] == [7, 8, 9, 7, 8, 9, 7, 8]
+    # The scheduler's output ids lag (overlap): the branch uses its own record, so the next
+    # round's chain continues after the newest tokens.
+    merged = branch.merge(trees([9]), reqs, torch.tensor([8]), torch.tensor([9]))
+    assert path_tokens(merged) == lookup_draft(branch.committed["a"] + [9], DEPTHS) == [7, 8, 9, 7, 8, 9]
+
+
+def path_tokens(tree) -> list[int]:
+    """Tokens from the root (excluded) down to the deepest node of row 0."""
+    node = int(tree.depths[0].argmax())
+    tokens = []
+    while node > 0:
+        tokens.append(int(tree.tokens[0, node]))
+        node = int(tree.parents[0, node])
+    return tokens[::-1]
+
+
+def test_unknown_or_out_of_step_requests_draft_alone_and_dead_ones_are_dropped():
+    branch = LookupBranch(DEPTHS)
+    a, b = request("a", [1, 2, 1, 2]), request("b", [5, 6, 5, 6])
+    branch.on_extend([a, b], torch.tensor([4, 4]))
+    tree = trees([1])
+    # seq_len disagrees with the record (e.g. retracted and re-admitted): head alone this round.
+    assert branch.merge(tree, [a], torch.tensor([6]), torch.tensor([1])) is tree
+    assert "b" not in branch.committed  # not in the decode batch any more
+    branch.on_accept([a], torch.tensor([6]), torch.tensor([1]), torch.tensor([[2, 1]]), torch.tensor([1]))
+    assert "a" not in branch.committed  # out of step: forgotten until its next extend
+    fresh = trees([1], seed=3)
+    assert branch.merge(fresh, [request("c", [1, 2, 1])], torch.tensor([3]), torch.tensor([2])) is fresh
+
+
+def test_switch_reads_zero_or_one(monkeypatch):
+    monkeypatch.delenv(LOOKUP_ENV, raising=False)
+    assert lookup_enabled()
+    monkeypatch.setenv(LOOKUP_ENV, "0")
+    assert not lookup_enabled()
+    monkeypatch.setenv(LOOKUP_ENV, "yes")
+    with pytest.raises(ValueError, match=LOOKUP_ENV):
+        lookup_enabled()
