@@ -9,7 +9,6 @@ path's target KV (cache compacted to it) and hand its features to the drafter.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -19,7 +18,7 @@ import torch
 from jetflow_sglang.accept import Acceptance, accept_tree, target_picks
 from jetflow_sglang.drafter import Drafter
 from jetflow_sglang.errors import JetFlowError
-from jetflow_sglang.lookup import lookup_draft
+from jetflow_sglang.lookup import CHAIN_LOGPROB, lookup_draft
 from jetflow_sglang.target import Target, compact_cache
 from jetflow_sglang.tree import DraftTree, build_tree, check_budget, max_tree_nodes, merge_chain, refreshed_tree
 
@@ -113,7 +112,7 @@ class ReferenceEngine:
         width: int = 7,
         refresh: bool = False,
         lookup: bool = False,
-        lookup_logprob: float = math.log(0.6),
+        lookup_logprob: float = CHAIN_LOGPROB,
     ) -> None:
         """lookup: merge the prompt-lookup continuation of the committed tokens into each tree
         (tree.merge_chain), its depth-d node scored d * lookup_logprob, within the same budget."""

@@ -3,7 +3,12 @@ of the context's last tokens (the baseline every trained head is measured agains
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+
+# Score of a lookup node per depth when merged into a draft tree (both engines): depth d scores
+# d * log 0.6, so the chain displaces the head's weakest leaves only where it is likelier.
+CHAIN_LOGPROB = math.log(0.6)
 
 
 def lookup_match(context: Sequence[int], max_ngram: int = 3) -> int:

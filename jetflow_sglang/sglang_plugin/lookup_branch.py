@@ -12,18 +12,16 @@ On by default; ``JETFLOW_LOOKUP=0`` turns it off.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from jetflow_sglang.lookup import lookup_draft
+from jetflow_sglang.lookup import CHAIN_LOGPROB, lookup_draft
 from jetflow_sglang.tree import DraftTree, merge_chain
 
 LOOKUP_ENV = "JETFLOW_LOOKUP"
-CHAIN_LOGPROB = math.log(0.6)  # the reference engine's score per lookup depth
 
 
 def lookup_enabled() -> bool:
