@@ -44,6 +44,14 @@ class OracleDrafter:
     def extend(self, features: Tensor) -> None:
         self.length += features.shape[1]
 
+    def advance_to(self, position: int) -> None:
+        """Server use (no per-request features reach a proposer): a verify round commits 1..block_size
+        tokens, so the next round's position must lie that far past this one's."""
+        step = position - self.length
+        if not 1 <= step <= self.block_size:
+            raise AssertionError(f"oracle context out of step: position {self.length} then {position}")
+        self.length = position
+
     def _randint(self, high: int) -> int:
         return int(torch.randint(high, (1,), generator=self.generator))
 

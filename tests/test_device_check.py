@@ -17,12 +17,15 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
     result = subprocess.run(
-        [str(SCRIPT), "--dry-run", "--out", str(out)], check=False, capture_output=True, text=True, timeout=120, env=env
+        [str(SCRIPT), "--dry-run", "--out", str(out)], check=False, capture_output=True, text=True, timeout=600, env=env
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     report = json.loads(out.read_text())
     assert report["dry_run"] and report["budgets"] == BUDGETS and "fatal" not in report
-    assert report["kernel_tests"]["status"] == "passed", report["kernel_tests"]
+    kernel_tests = report["kernel_tests"]
+    assert kernel_tests["status"] == "passed", kernel_tests
+    # Here only the CPU-side kernel tests can run; the CUDA ones skip (on the GPU a skip fails).
+    assert kernel_tests["counts"].get("passed", 0) >= 2 and not kernel_tests["counts"].get("failed"), kernel_tests
 
     rows = {(r["name"], r["impl"], r["n"]): r for r in report["rows"]}
     expected = [("prefill", "hf_sdpa", report["prefix"]), ("head", "draft", 16), ("head", "context_kv", 8)]
@@ -34,7 +37,8 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
         row = rows[key]
         assert row["status"] == "ok" and row["median_ms"] > 0 and row["iters"] >= 3, (key, row)
 
-    # The SGLang draft path (paged attention, padded graph replay) gives the dense draft's logits.
+    # The SGLang draft path (paged attention; a batch of 1 padded to 2 as for graph replay) gives
+    # the dense draft's logits.
     paths = report["draft_paths"]
     assert paths["paged_vs_dense"] < 1e-4 and paths["graph_vs_eager"] < 1e-5 and paths["logit_scale"] > 0, paths
 

@@ -6,8 +6,8 @@ no-spec server with the same chunk, both on 127.0.0.1. Every test compares the
 JETFLOW server with the no-spec one:
 
 * chunked prefill of long ShareGPT prompts: token ids match, and the target features
-  the worker captured over the chunks equal HF transformers' features at the head's
-  tap layers (the head sees what it was trained on);
+  the worker captured over the chunks, and after each verify round, equal HF transformers'
+  features at the head's tap layers (the head sees what it was trained on);
 * streaming (`/generate` and the OpenAI client), stop strings and stop token ids landing
   inside accepted paths (the test oracle drafts those prompts), request abort;
 * an SGLang frontend program with `gen`, `fork` and `select`;
@@ -143,9 +143,6 @@ def _both(servers: dict, fn):
 # --------------------------------------------------------------- chunked prefill
 @pytest.mark.slow
 def test_captured_taps_equal_hf_taps_over_prefill_chunks(servers, assets, long_cases):
-    from jetflow_sglang.head import JetFlowHead
-    from jetflow_sglang.target import Target
-
     ids = long_cases[0]
     assert len(ids) > 3 * CHUNK
     _generate(servers["jetflow"], ids, 1, rid="taps-check")
@@ -158,13 +155,41 @@ def test_captured_taps_equal_hf_taps_over_prefill_chunks(servers, assets, long_c
     assert positions.tolist() == list(range(len(ids)))
     assert torch.cat([c["input_ids"] for c in chunks]).tolist() == ids
     served = torch.cat([c["features"] for c in chunks])
+    error = (served - _hf_taps(assets, ids)).abs().max() / served.abs().max()
+    assert error < 1e-4, f"relative max error {error:.2e}"
+
+
+def _hf_taps(assets: dict, ids: list[int]) -> torch.Tensor:
+    from jetflow_sglang.head import JetFlowHead
+    from jetflow_sglang.target import Target
 
     head = JetFlowHead.load(assets["head"])
     target = Target(assets["target"], dtype=torch.float32, tap_layers=head.config.target_layer_ids)
     _, hf_features = target.forward(torch.tensor([ids]), torch.arange(len(ids))[None], target.new_cache())
-    hf_features = hf_features[0].float()
-    assert served.shape == hf_features.shape
-    error = (served - hf_features).abs().max() / hf_features.abs().max()
+    return hf_features[0].float()
+
+
+@pytest.mark.slow
+def test_captured_taps_after_verify_equal_hf_taps(servers, assets, oracle_cases):
+    """The rows the worker hands the head after each verify round (anchor + accepted drafts,
+    gathered from the tree's verify rows) are HF's features at those positions: with the prompt's
+    rows they cover every committed token but the last bonus, each position once."""
+    from safetensors.torch import load_file
+
+    prompt = oracle_cases[1]
+    out = _generate(servers["jetflow"], prompt, 32, rid="taps-decode")
+    files = sorted(servers["dump_dir"].glob("taps-decode-*.safetensors"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+    writes = [load_file(f) for f in files]
+    rounds = [w for w in writes if int(w["positions"][0]) >= len(prompt)]
+    assert len(rounds) == out["meta_info"]["spec_verify_ct"]
+    assert max(len(w["positions"]) for w in rounds) > 2  # multi-token commits were written
+    ids = prompt + out["output_ids"]
+    positions = torch.cat([w["positions"] for w in writes]).tolist()
+    # The last round may have accepted past max_new_tokens: its rows run on beyond the output.
+    assert positions == list(range(len(positions))) and len(positions) >= len(ids) - 1
+    assert torch.cat([w["input_ids"] for w in writes]).tolist()[: len(ids) - 1] == ids[:-1]
+    served = torch.cat([w["features"] for w in writes])[: len(ids) - 1]
+    error = (served - _hf_taps(assets, ids[:-1])).abs().max() / served.abs().max()
     assert error < 1e-4, f"relative max error {error:.2e}"
 
 
@@ -218,6 +243,10 @@ def test_streaming_matches_non_streaming(servers, oracle_cases, tokenizer):
 
 @pytest.mark.slow
 def test_stop_strings_and_stop_token_ids_inside_accepted_paths(servers, oracle_cases, tokenizer):
+    """The oracle drafts these prompts, so each round commits a long path and the stop lands inside
+    one: SGLang counts a round's full accepted path in spec_num_correct_drafts before the stop cuts
+    it, so rounds + accepted drafts > tokens returned means the cut fell inside a commit."""
+    cut_inside = {"stop": 0, "stop_token_ids": 0}
     for ids in oracle_cases:
         full = _generate(servers["plain"], ids, ORACLE_TOKENS)
         out_ids = full["output_ids"]
@@ -229,9 +258,14 @@ def test_stop_strings_and_stop_token_ids_inside_accepted_paths(servers, oracle_c
             want, got = _both(servers, lambda url: _generate(url, ids, ORACLE_TOKENS, **params))
             assert got["text"] == want["text"] and got["output_ids"] == want["output_ids"], params
             assert len(got["output_ids"]) < len(out_ids), params
-            assert got["meta_info"]["finish_reason"]["type"] == "stop", got["meta_info"]
+            meta = got["meta_info"]
+            assert meta["finish_reason"]["type"] == "stop", meta
             if "stop" in params:
                 assert stop_text not in got["text"]
+            committed = meta["spec_verify_ct"] + meta["spec_num_correct_drafts"]
+            cut_inside[next(iter(params))] += committed > len(got["output_ids"])
+    print(f"stops cut inside a multi-token commit: {cut_inside} of {len(oracle_cases)} prompts each")
+    assert min(cut_inside.values()) >= 2, cut_inside
 
 
 @pytest.mark.slow

@@ -83,6 +83,13 @@ def test_torchrun_ddp_on_two_cpu_processes(data_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     history = json.loads((out / "train_state.json").read_text())["history"]
     assert len(history) == 2 and (out / "model.safetensors").is_file()
+    # Each rank prints its report with both ranks' weight fingerprints: equal after the steps (a
+    # rank that trained alone on its own draws would differ; the trainer also refuses to finish).
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 2, proc.stdout[-2000:]
+    for report in reports:
+        first, second = report["rank_fingerprints"]
+        assert first == second, report["rank_fingerprints"]
 
 
 def _free_port() -> int:

@@ -132,12 +132,14 @@ class OracleProposer:
                 rows.append(logits[i : i + 1])
                 continue
             drafter = self._drafters.get(rid)
+            position = int(request.seq_lens[i])
             if drafter is None:
                 continuation = self.continuations[tuple(request.prompts[i])]
                 self._created += 1
                 drafter = OracleDrafter(continuation, self.vocab_size, self.block_size, self.width, seed=self.seed + self._created)
                 self._drafters[rid] = drafter
-            position = int(request.seq_lens[i])
-            drafter.length = position
+                drafter.length = position  # first decode round (or back after a retraction)
+            else:
+                drafter.advance_to(position)
             rows.append(drafter.propose(request.anchors[i : i + 1], position).to(request.anchors.device))
         return torch.cat([r.float() for r in rows], 0)

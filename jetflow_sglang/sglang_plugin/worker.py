@@ -45,6 +45,7 @@ from jetflow_sglang.accept import Acceptance
 from jetflow_sglang.head import JetFlowHead
 from jetflow_sglang.tree import DraftTree
 
+from .feature_dump import FeatureDump
 from .lookup_branch import LookupBranch, lookup_enabled
 from .proposer import DraftRequest, HeadProposer, OracleProposer, Proposer
 from .spec_algo import request_error
@@ -55,7 +56,6 @@ logger = logging.getLogger(__name__)
 ORACLE_ENV = "JETFLOW_TEST_ORACLE"
 DRAFT_PADDING_ENV = "JETFLOW_TEST_DRAFT_PADDING"  # tests: draft-graph replay bookkeeping without CUDA
 TEST_DRAFT_BATCH_SIZES = (1, 2, 4, 8)
-DUMP_FEATURES_ENV = "JETFLOW_TEST_DUMP_FEATURES"  # tests: compare captured taps with HF's
 PROFILE_ENV = "JETFLOW_PROFILE"
 PROFILE_EVERY = 20  # rounds between profile log lines (cumulative)
 
@@ -86,7 +86,7 @@ class JetFlowWorker(BaseSpecWorker):
         self.proposer: Optional[Proposer] = None
         self.lookup = LookupBranch(self.depths) if lookup_enabled() else None
         self.profile = os.environ.get(PROFILE_ENV, "") == "1"
-        self.dump_dir = os.environ.get(DUMP_FEATURES_ENV) or None
+        self.feature_dump = FeatureDump.from_env()  # tests: captured taps against HF's
         self.timings: dict[str, float] = defaultdict(float)
         self.rounds = 0
 
@@ -213,26 +213,12 @@ class JetFlowWorker(BaseSpecWorker):
         self.proposer.write_context(hidden, batch.out_cache_loc, positions)
         if self.lookup is not None:
             self.lookup.on_extend(batch.reqs, batch.seq_lens)
-        if self.dump_dir:
-            self._dump_features(batch, hidden, positions)
+        if self.feature_dump is not None:
+            rids = [req.rid for req in batch.reqs]
+            self.feature_dump.extend(rids, batch.input_ids, extend_lens, positions, hidden)
         out.logits_output.hidden_states = None
         out.next_draft_input = make_draft_input_v2(bonus_tokens=out.next_token_ids, new_seq_lens=batch.seq_lens)
         return out
-
-    def _dump_features(self, batch: ScheduleBatch, hidden: torch.Tensor, positions: torch.Tensor) -> None:
-        """One safetensors file per request and extend chunk: its tokens, positions and tapped features."""
-        from safetensors.torch import save_file
-
-        start = 0
-        for req, n, prefix in zip(batch.reqs, batch.extend_lens, batch.prefix_lens):
-            rows = slice(start, start + n)
-            start += n
-            tensors = {
-                "input_ids": batch.input_ids[rows].to(torch.int64).cpu(),
-                "positions": positions[rows].cpu(),
-                "features": hidden[rows].float().cpu(),
-            }
-            save_file(tensors, os.path.join(self.dump_dir, f"{req.rid}-{int(prefix)}.safetensors"))
 
     def _tick(self, name: str, start: float) -> float:
         now = time.perf_counter()
@@ -294,6 +280,9 @@ class JetFlowWorker(BaseSpecWorker):
         logits_output.hidden_states = None
 
         committed = acceptance.committed_tokens(tree)[:, :span]
+        if self.feature_dump is not None:
+            rids = [req.rid for req in batch.reqs]
+            self.feature_dump.verify(rids, seq_lens, anchors, committed, acceptance.num_accepted, path_features)
         if self.lookup is not None:
             self.lookup.on_accept(batch.reqs, seq_lens, anchors, committed, acceptance.num_accepted)
         if batch.return_logprob:  # per request, its committed tokens' log-probs (SGLang slices accept_lens)

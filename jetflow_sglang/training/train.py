@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from jetflow_sglang.errors import JetFlowError
+from jetflow_sglang.training import distributed
 from jetflow_sglang.head import JetFlowConfig, JetFlowHead
 
 from jetflow_sglang.training.objective import (LOSSES, depth_weights, draft_id_map, draw_slots, loss_and_backward,
@@ -284,26 +285,6 @@ def init_from_target(head: JetFlowHead, target_model) -> None:
     head.hidden_norm.weight.copy_(layers[0].input_layernorm.weight)
 
 
-def _distributed() -> tuple[int, int, torch.device]:
-    """(rank, world size, device); starts the process group under torchrun."""
-    import os
-
-    import torch.distributed as dist
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), world, device
-
-
 def train(config: TrainConfig, log=print) -> dict:
     from tqdm import tqdm
 
@@ -312,7 +293,7 @@ def train(config: TrainConfig, log=print) -> dict:
     from jetflow_sglang.training.validate import ValidationSet
 
     _check_config(config)
-    rank, world, device = _distributed()
+    rank, world, device = distributed.setup()
     out = Path(config.out)
     target_dir = resolve_target(config.target)
     compute_dtype = fast_dtype() if device.type == "cpu" else torch.bfloat16
@@ -415,8 +396,12 @@ def train(config: TrainConfig, log=print) -> dict:
                     log(f"held-out at step {step}: {_val_line(evals[-1])}")
                 _checkpoint(head, optimizer, out, config, step, history, evals)
     seconds = time.perf_counter() - start
+    fingerprints = None
     if world > 1:
+        fingerprints = distributed.rank_fingerprints(head)
         torch.distributed.destroy_process_group()
+        if any(f != fingerprints[0] for f in fingerprints):
+            raise JetFlowError(f"data-parallel ranks ended with different weights: {fingerprints}")
     steps_run = max(1, step - first_step)
     return {
         "out": str(out),
@@ -428,6 +413,7 @@ def train(config: TrainConfig, log=print) -> dict:
         "draft_vocab": draft_vocab_size or vocab,
         "draft_vocab_coverage": round(coverage, 4),
         "held_out": evals[-1] if evals else None,
+        "rank_fingerprints": fingerprints,
     }
 
 
