@@ -91,7 +91,8 @@ def cases(target_dir) -> list[dict]:
 
 
 def _generate(url: str, ids: list[int], max_new_tokens: int, ignore_eos: bool = False, **extra) -> dict:
-    params = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}
+    params = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos,
+              **extra.pop("sampling_params_extra", {})}
     return sglang_server.post(url + "/generate", {"input_ids": ids, "sampling_params": params, **extra})
 
 
@@ -135,6 +136,14 @@ def _samples(url: str, ids: list[int], greedy: list[dict] = ()) -> tuple[list[di
     return sampled, [o for b, o in zip(bodies, outputs) if "greedy" in b]
 
 
+BIAS_CASES = [0, 3, 8, 12]  # head-drafted and oracle-drafted
+
+
+def _logit_bias(greedy_ids: list[int]) -> dict:
+    """Bans the greedy answer's third token and favours its sixth: the biased answer differs."""
+    return {"sampling_params_extra": {"logit_bias": {str(greedy_ids[2]): -100.0, str(greedy_ids[5]): 4.0}}}
+
+
 def _with_logprobs(url: str, cases: list[dict]) -> list[dict]:
     outputs = [_generate(url, cases[i]["ids"], cases[i]["max_new_tokens"], return_logprob=True) for i in LOGPROB_CASES]
     return [{"ids": o["output_ids"], "logprobs": [t[0] for t in o["meta_info"]["output_token_logprobs"]]} for o in outputs]
@@ -160,12 +169,14 @@ def reference(target_dir, cases, tmp_path_factory) -> dict:
                 )
             )
         logprobs = _with_logprobs(server.url, cases)
+        biased = [_generate(server.url, cases[i]["ids"], cases[i]["max_new_tokens"], return_logprob=True,
+                            **_logit_bias(outputs[i]["output_ids"])) for i in BIAS_CASES]  # fmt: skip
     finally:
         server.stop()
     oracle_file = work / "oracle.json"
     oracle_file.write_text(json.dumps([[c["ids"], o["output_ids"]] for c, o in zip([c for c in cases if c["oracle"]], long)]))
     return {"output_ids": [o["output_ids"] for o in outputs], "oracle_file": str(oracle_file), "logprobs": logprobs,
-            "sampling_joint": _exact_joint(target_dir, cases[SAMPLING_CASE]["ids"])}
+            "sampling_joint": _exact_joint(target_dir, cases[SAMPLING_CASE]["ids"]), "biased": biased}
 
 
 @pytest.fixture(scope="module", params=BUDGETS, ids=[f"budget{b}" for b in BUDGETS])
@@ -304,6 +315,20 @@ def test_output_logprobs_equal_no_spec(jetflow_server, cases, reference):
 
 
 @pytest.mark.slow
+def test_logit_bias_equals_no_spec(jetflow_server, cases, reference):
+    """logit_bias is added to every tree node's verify logits: greedy ids and output logprobs
+    equal the no-spec server's with the same bias, and the bias changed the answer."""
+    for i, want in zip(BIAS_CASES, reference["biased"]):
+        got = _generate(jetflow_server.url, cases[i]["ids"], cases[i]["max_new_tokens"], return_logprob=True,
+                        **_logit_bias(reference["output_ids"][i]))  # fmt: skip
+        assert want["output_ids"] != reference["output_ids"][i], i
+        assert got["output_ids"] == want["output_ids"], i
+        got_lp = [t[0] for t in got["meta_info"]["output_token_logprobs"]]
+        want_lp = [t[0] for t in want["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 1e-3, (i, got_lp, want_lp)
+
+
+@pytest.mark.slow
 def test_sampling_follows_the_target_distribution_over_several_tokens(jetflow_server, cases, reference):
     """Temperature 1, top-k 2, four new tokens: the joint distribution of the JETFLOW server's
     continuations equals the one computed by hand from the target's logits (chi-square goodness of
@@ -337,8 +362,8 @@ def test_sampling_follows_the_target_distribution_over_several_tokens(jetflow_se
 
 @pytest.mark.slow
 def test_requests_jetflow_would_serve_differently_are_refused(jetflow_server, cases, reference):
-    """Grammars, min_p, seeded sampling and anything that changes the target's logits before the
-    pick get a 400 naming it (the tree walk would ignore it); the server keeps serving."""
+    """Grammars, min_p, seeded sampling and the options that change a node's logits by the tokens
+    before it get a 400 naming it (the tree walk would ignore them); the server keeps serving."""
     import urllib.error
 
     ids = cases[0]["ids"]
@@ -351,7 +376,6 @@ def test_requests_jetflow_would_serve_differently_are_refused(jetflow_server, ca
         ({"frequency_penalty": 0.5}, {}, "frequency_penalty"),
         ({"presence_penalty": 0.5}, {}, "presence_penalty"),
         ({"min_new_tokens": 2}, {}, "min_new_tokens"),
-        ({"logit_bias": {"198": -5.0}}, {}, "logit_bias"),
         ({}, {"return_logprob": True, "top_logprobs_num": 3}, "top_logprobs_num"),
     ]
     for params, extra, needle in refused:

@@ -32,6 +32,25 @@ def _train(data_dir: Path, out: Path, steps: int, *extra: str) -> int:
 
 
 @pytest.mark.slow
+def test_regenerate_through_sglangs_engine_matches_hf(data_dir, tmp_path):
+    """`--backend sglang` (SGLang's offline Engine on this CPU): greedy answers equal the HF
+    backend's (fp32), and meta.json records the backend that wrote the shards."""
+    from jetflow_sglang.training.data import iter_examples, read_meta
+
+    out = tmp_path / "sglang"
+    args = ["regenerate", "--prompts", "sharegpt", "--limit", "3", "--max-new-tokens", "16", "--backend", "sglang",
+            "--batch-size", "3", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    assert read_meta(out)["backends"] == ["sglang"] and read_meta(data_dir)["backends"] == ["hf"]
+    hf = {e["id"]: e["response_ids"] for e in iter_examples(data_dir)}
+    got = list(iter_examples(out))
+    assert len(got) == 3
+    for example in got:
+        assert example["response_ids"] == hf[example["id"]][: len(example["response_ids"])], example["id"]
+        assert len(example["response_ids"]) == 16 or example["response_ids"] == hf[example["id"]]
+
+
+@pytest.mark.slow
 def test_train_writes_a_loadable_head_loss_curve_and_shared_feature_cache(data_dir, tmp_path, capsys):
     from transformers import AutoConfig
 

@@ -141,10 +141,10 @@ UNSUPPORTED = "JETFLOW speculative decoding does not support {what} yet"
 def request_error(req) -> Optional[str]:
     """Why JETFLOW cannot serve this request exactly as the target alone would, or None.
 
-    Served: greedy decoding and sampling (temperature, top-k, top-p), stop conditions, output
-    logprobs. Refused: grammars, min_p, seeded sampling, and every option that changes the
-    target's logits before the pick (penalties, logit bias, min_new_tokens, custom logit
-    processors), since the tree walk would not see it."""
+    Served: greedy decoding and sampling (temperature, top-k, top-p), logit bias (the same at
+    every node), stop conditions, output logprobs. Refused: grammars, min_p, seeded sampling,
+    and the options whose effect on a node's logits depends on the tokens before it
+    (penalties, min_new_tokens, custom logit processors), which the tree walk does not apply."""
     params = req.sampling_params
     if getattr(params, "max_new_tokens", None) == 0:
         return None  # prefill only (scoring, frontend `select`): nothing is ever decoded
@@ -163,8 +163,6 @@ def request_error(req) -> Optional[str]:
         value = getattr(params, field, neutral)
         if value is not None and value != neutral:
             return UNSUPPORTED.format(what=f"{field} {value}")
-    if getattr(params, "logit_bias", None):
-        return UNSUPPORTED.format(what="logit_bias")
     if getattr(req, "custom_logit_processor", None):
         return UNSUPPORTED.format(what="custom logit processors")
     if getattr(req, "return_hidden_states", False):

@@ -132,7 +132,11 @@ class JetFlowWorker(BaseSpecWorker):
         """Greedy walk over the target's argmax; with any sampling request in the batch, each
         path node's target token is drawn from its processed distribution (temperature, top-k,
         top-p) with a fresh uniform, so committed tokens follow the target's own sampling law.
-        Greedy requests in a mixed batch (top_k 1) take the argmax."""
+        Greedy requests in a mixed batch (top_k 1) take the argmax. A request's `logit_bias` is
+        added to every node's logits first, in place, as SGLang adds it before its own pick (so
+        returned logprobs see it too)."""
+        if sampling_info is not None and sampling_info.logit_bias is not None:
+            logits.add_(sampling_info.logit_bias[:, None, : logits.shape[-1]].to(logits.dtype))
         if sampling_info is None or sampling_info.is_all_greedy:
             return accept_greedy(tree, logits.argmax(-1), max_depth=self.depths)
         top_ks = sampling_info.top_ks.view(-1).to(torch.int64)
