@@ -67,6 +67,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     result = spec_runs[0]
     report = {
         "text": target.tokenizer.decode(result.tokens, skip_special_tokens=True),
+        "tokens": result.tokens,
         "new_tokens": len(result.tokens),
         "rounds": result.rounds,
         "tau": round(result.tau, 4),
@@ -82,6 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print(json.dumps(report), flush=True)
         return
     print(report.pop("text"))
+    report.pop("tokens")
     print("---")
     print("  ".join(f"{k}={v}" for k, v in report.items()), flush=True)
 

@@ -180,10 +180,13 @@ def test_captured_taps_after_verify_equal_hf_taps(servers, assets, oracle_cases)
     out = _generate(servers["jetflow"], prompt, 32, rid="taps-decode")
     files = sorted(servers["dump_dir"].glob("taps-decode-*.safetensors"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
     writes = [load_file(f) for f in files]
-    rounds = [w for w in writes if int(w["positions"][0]) >= len(prompt)]
+    ids = prompt + out["output_ids"]
+    rounds = [w for w in writes if len(prompt) <= int(w["positions"][0]) < len(ids) - 1]
     assert len(rounds) == out["meta_info"]["spec_verify_ct"]
     assert max(len(w["positions"]) for w in rounds) > 2  # multi-token commits were written
-    ids = prompt + out["output_ids"]
+    # SGLang may run one more verify for a request that finished inside the previous round's
+    # path (it does not count it); its rows lie past the output.
+    assert len(writes) - 1 - len(rounds) <= 1
     positions = torch.cat([w["positions"] for w in writes]).tolist()
     # The last round may have accepted past max_new_tokens: its rows run on beyond the output.
     assert positions == list(range(len(positions))) and len(positions) >= len(ids) - 1
