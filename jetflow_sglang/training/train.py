@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 
 from jetflow_sglang.errors import JetFlowError
-from jetflow_sglang.training import distributed
 from jetflow_sglang.head import JetFlowConfig, JetFlowHead
+from jetflow_sglang.training import distributed
 
 from jetflow_sglang.training.objective import (LOSSES, depth_weights, draft_id_map, draw_slots, loss_and_backward,
                                                most_frequent_tokens, slot_targets)  # fmt: skip
