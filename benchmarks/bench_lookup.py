@@ -76,7 +76,7 @@ def main() -> None:
         summary[f"{name}_median_speedup"] = statistics.median(r[f"{name}_speedup"] for r in rows)
         summary[f"{name}_median_tau"] = statistics.median(r[f"{name}_tau"] for r in rows if r[f"{name}_tau"] is not None)
         summary[f"{name}_all_identical"] = all(r[f"{name}_identical"] for r in rows)
-    report = {"config": vars(args), "head_dir": head_dir, "summary": summary, "requests": rows}
+    report = {"config": vars(args), "head": Path(head_dir).name, "summary": summary, "requests": rows}
     print(f"\n{'drafter':<12} {'median tau':>10} {'median speedup':>15} {'identical':>10}   "
           f"({summary['prompts']} {args.prompts} prompts, budget {args.budget}, {args.dtype})")  # fmt: skip
     for name in VARIANTS[1:]:
