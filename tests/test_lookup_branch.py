@@ -1,6 +1,6 @@
-"""The SGLang worker's free branch (sglang_plugin/lookup_branch.py): its own record of each
-request's committed ids across extend and accepted paths, and the per-request merge into a
-batch of trees. The server tests (test_sglang_jetflow.py) check it end to end against the
+"""The SGLang worker's free branch (sglang_plugin/lookup_branch.py) and its own record of each
+request's committed ids across extend and accepted paths (committed_ids.py), and the
+per-request merge into a batch of trees. The server tests (test_sglang_jetflow.py) check it end to end against the
 no-spec server."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from jetflow_sglang.lookup import lookup_draft
+from jetflow_sglang.sglang_plugin.committed_ids import CommittedIds
 from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV, LookupBranch, lookup_enabled
 from jetflow_sglang.tree import build_tree, merge_chain
 
@@ -33,12 +34,12 @@ def test_each_row_gets_its_own_chain_and_the_rest_stay():
     repeating = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]  # anchor 3: lookup continues 4, 5, 1, 2, ...
     no_repeat = [10, 11, 12, 13]  # anchor 14 never occurred: no chain
     reqs = [request("a", repeating), request("b", no_repeat)]
-    branch = LookupBranch(DEPTHS)
+    branch, record = LookupBranch(DEPTHS), CommittedIds()
     seq_lens = torch.tensor([len(repeating), len(no_repeat)])
-    branch.on_extend(reqs, seq_lens)
+    record.on_extend(reqs, seq_lens)
     anchors = torch.tensor([3, 14])
     tree = trees([3, 14])
-    merged = branch.merge(tree, reqs, seq_lens, anchors)
+    merged = branch.merge(tree, reqs, seq_lens, anchors, record)
     chain = lookup_draft(repeating + [3], DEPTHS)
     assert chain == [4, 5, 1, 2, 3, 4]
     want = merge_chain(trees([3]), torch.tensor(chain), branch.chain_logprob)
@@ -50,16 +51,16 @@ def test_each_row_gets_its_own_chain_and_the_rest_stay():
 def test_accepted_paths_extend_the_record_and_feed_the_next_round():
     ids = [7, 8, 9, 7, 8]
     reqs = [request("a", ids)]
-    branch = LookupBranch(DEPTHS)
-    branch.on_extend(reqs, torch.tensor([5]))
+    branch, record = LookupBranch(DEPTHS), CommittedIds()
+    record.on_extend(reqs, torch.tensor([5]))
     # Round: anchor 9 at position 5; two drafts accepted (7, 8), bonus 9.
     committed = torch.tensor([[7, 8, 9, -1]])
-    branch.on_accept(reqs, torch.tensor([5]), torch.tensor([9]), committed, torch.tensor([2]))
-    assert branch.committed["a"] == [7, 8, 9, 7, 8, 9, 7, 8]
-    # The scheduler's output ids lag (overlap): the branch uses its own record, so the next
-    # round's chain continues after the newest tokens.
-    merged = branch.merge(trees([9]), reqs, torch.tensor([8]), torch.tensor([9]))
-    assert path_tokens(merged) == lookup_draft(branch.committed["a"] + [9], DEPTHS) == [7, 8, 9, 7, 8, 9]
+    record.on_accept(reqs, torch.tensor([5]), torch.tensor([9]), committed, torch.tensor([2]))
+    assert record.ids["a"] == [7, 8, 9, 7, 8, 9, 7, 8]
+    # The scheduler's output ids lag (overlap): the branch uses the worker's own record, so the
+    # next round's chain continues after the newest tokens.
+    merged = branch.merge(trees([9]), reqs, torch.tensor([8]), torch.tensor([9]), record)
+    assert path_tokens(merged) == lookup_draft(record.ids["a"] + [9], DEPTHS) == [7, 8, 9, 7, 8, 9]
 
 
 def path_tokens(tree) -> list[int]:
@@ -73,17 +74,18 @@ def path_tokens(tree) -> list[int]:
 
 
 def test_unknown_or_out_of_step_requests_draft_alone_and_dead_ones_are_dropped():
-    branch = LookupBranch(DEPTHS)
+    branch, record = LookupBranch(DEPTHS), CommittedIds()
     a, b = request("a", [1, 2, 1, 2]), request("b", [5, 6, 5, 6])
-    branch.on_extend([a, b], torch.tensor([4, 4]))
+    record.on_extend([a, b], torch.tensor([4, 4]))
     tree = trees([1])
     # seq_len disagrees with the record (e.g. retracted and re-admitted): head alone this round.
-    assert branch.merge(tree, [a], torch.tensor([6]), torch.tensor([1])) is tree
-    assert "b" not in branch.committed  # not in the decode batch any more
-    branch.on_accept([a], torch.tensor([6]), torch.tensor([1]), torch.tensor([[2, 1]]), torch.tensor([1]))
-    assert "a" not in branch.committed  # out of step: forgotten until its next extend
+    record.keep_only([a])
+    assert branch.merge(tree, [a], torch.tensor([6]), torch.tensor([1]), record) is tree
+    assert "b" not in record.ids  # not in the decode batch any more
+    record.on_accept([a], torch.tensor([6]), torch.tensor([1]), torch.tensor([[2, 1]]), torch.tensor([1]))
+    assert "a" not in record.ids  # out of step: forgotten until its next extend
     fresh = trees([1], seed=3)
-    assert branch.merge(fresh, [request("c", [1, 2, 1])], torch.tensor([3]), torch.tensor([2])) is fresh
+    assert branch.merge(fresh, [request("c", [1, 2, 1])], torch.tensor([3]), torch.tensor([2]), record) is fresh
 
 
 def test_switch_reads_zero_or_one(monkeypatch):

@@ -13,6 +13,8 @@
 * Per-request tau is readable from meta_info; a repeated prompt hits the radix cache.
 * The prompt-lookup free branch is on in these servers; a JETFLOW_LOOKUP=0 server drafts with
   the head alone, both lossless, lookup committing more per round on repetitive text.
+* Penalties (frequency, presence, repetition, min_new_tokens) equal a no-spec server's with the
+  same options; oracle-drafted penalized prompts commit long paths through per-node counts.
 * Bad heads and budgets: the launcher exits non-zero with a message naming the problem.
 """
 
@@ -50,6 +52,7 @@ ORACLE_PROMPTS = [
     ("What is the boiling point of water?", True),
 ]
 BUDGETS = [16, 64, 256]
+REPETITIVE = "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday, Monday, Tuesday, Wednesday, Thursday,"
 ORACLE_EXTRA = 24  # oracle continuations run this far past each request's token limit
 
 
@@ -90,6 +93,19 @@ def cases(target_dir) -> list[dict]:
     return out
 
 
+@pytest.fixture(scope="module")
+def penalized_cases(target_dir) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    out = []
+    for text, chat, penalties, oracle in PENALIZED_PROMPTS:
+        ids = (list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False))
+               if chat else tok(text).input_ids)  # fmt: skip
+        out.append({"ids": ids, "oracle": oracle, "max_new_tokens": 28, "penalties": penalties})
+    return out
+
+
 def _generate(url: str, ids: list[int], max_new_tokens: int, ignore_eos: bool = False, **extra) -> dict:
     params = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos,
               **extra.pop("sampling_params_extra", {})}
@@ -97,16 +113,18 @@ def _generate(url: str, ids: list[int], max_new_tokens: int, ignore_eos: bool = 
 
 
 SAMPLING_CASE = 9  # "Write a haiku about rain.", oracle-drafted: sampled tokens that match the oracle commit deep paths
-SAMPLING = {"temperature": 1.0, "top_k": 2, "max_new_tokens": 4}
+# top-k and top-p together, and min-p: the worker cuts these as SGLang's sampler does (sampling_filters.py)
+SAMPLING = {"temperature": 1.0, "top_k": 3, "top_p": 0.9, "min_p": 0.1, "max_new_tokens": 4}
 SAMPLES = 192
 SAMPLING_BUDGETS = (16, 64)  # same tree code at 256, where the draws cost ~13 min here
 LOGPROB_CASES = [0, 3, 8, 12]  # two head-drafted, two oracle-drafted (multi-token commits)
 
 
 def _exact_joint(target_dir: str, ids: list[int]) -> dict[tuple[int, ...], float]:
-    """P(first 4 tokens) under SAMPLING, by hand from HF transformers' fp32 logits: at every prefix,
-    softmax over the two largest logits (temperature 1)."""
+    """P(first 4 tokens) under SAMPLING: at every prefix, HF transformers' fp32 logits filtered
+    by SGLang's own sampler function (temperature 1, top-k, top-p, min-p), renormalized."""
     import torch
+    from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
@@ -115,12 +133,18 @@ def _exact_joint(target_dir: str, ids: list[int]) -> dict[tuple[int, ...], float
         for _ in range(SAMPLING["max_new_tokens"]):
             prefixes = list(joint)
             logits = model(torch.tensor([ids + list(p) for p in prefixes])).logits[:, -1]
-            top_logits, top_ids = logits.topk(SAMPLING["top_k"], dim=-1)
-            probs = top_logits.softmax(-1)
+            rows = len(prefixes)
+            _, probs_sort, probs_idx, _ = top_k_top_p_min_p_sampling_from_probs_torch(
+                logits.softmax(-1), torch.full((rows,), SAMPLING["top_k"]), torch.full((rows,), SAMPLING["top_p"]),
+                torch.full((rows,), SAMPLING["min_p"]), need_min_p_sampling=True, sampling_seed=None,
+                positions=torch.zeros(rows, dtype=torch.long), return_filtered_probs=True,
+            )  # fmt: skip
+            probs = probs_sort / probs_sort.sum(-1, keepdim=True)
             joint = {
                 prefix + (token,): joint[prefix] * prob
-                for prefix, row_ids, row_probs in zip(prefixes, top_ids.tolist(), probs.tolist())
+                for prefix, row_ids, row_probs in zip(prefixes, probs_idx.tolist(), probs.tolist())
                 for token, prob in zip(row_ids, row_probs)
+                if prob > 0
             }
     return joint
 
@@ -137,6 +161,12 @@ def _samples(url: str, ids: list[int], greedy: list[dict] = ()) -> tuple[list[di
     return sampled, [o for b, o in zip(bodies, outputs) if "greedy" in b]
 
 
+PENALIZED_PROMPTS = [  # text, chat, penalties, oracle-drafted
+    ("Write a short poem about the sea.", True, {"frequency_penalty": 0.6, "presence_penalty": 0.4}, True),
+    ("Count from one to twenty in words:", False, {"repetition_penalty": 1.3}, True),
+    ("Type the number 7.", True, {"min_new_tokens": 12}, True),  # EOS after 7 tokens without the option
+    (REPETITIVE, False, {"frequency_penalty": 0.5}, False),  # head + lookup, whose repeats the penalty rejects
+]
 BIAS_CASES = [3, 6, 11, 12]  # raw completions that run to their limit: two head-drafted, two oracle-drafted
 
 
@@ -150,34 +180,40 @@ def _with_logprobs(url: str, cases: list[dict]) -> list[dict]:
     return [{"ids": o["output_ids"], "logprobs": [t[0] for t in o["meta_info"]["output_token_logprobs"]]} for o in outputs]
 
 
-def _run_all(url: str, cases: list[dict], concurrency: int) -> list[dict]:
+def _run_all(url: str, cases: list[dict], concurrency: int, **extra) -> list[dict]:
+    def run(case: dict) -> dict:
+        params = {"sampling_params_extra": case["penalties"]} if "penalties" in case else {}
+        return _generate(url, case["ids"], case["max_new_tokens"], **params, **extra)
+
     with ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(lambda c: _generate(url, c["ids"], c["max_new_tokens"]), cases))
+        return list(pool.map(run, cases))
 
 
 @pytest.fixture(scope="module")
-def reference(target_dir, cases, tmp_path_factory) -> dict:
-    """No-spec greedy outputs, and the oracle file (continuations past EOS and the limit)."""
+def reference(target_dir, cases, penalized_cases, tmp_path_factory) -> dict:
+    """No-spec greedy outputs, and the oracle file (continuations past EOS and the limit).
+    Without overlap scheduling: SGLang's overlap scheduler feeds its penalizers one round late
+    (tree_penalties.py); the exact penalties are the non-overlap server's, and nothing else
+    here depends on overlap."""
     work = tmp_path_factory.mktemp("jetflow_ref")
-    server = sglang_server.start(target_dir, work / "nospec.log")
+    server = sglang_server.start(target_dir, work / "nospec.log", "--disable-overlap-schedule")
+    oracle_cases = [c for c in cases + penalized_cases if c["oracle"]]
     try:
         outputs = _run_all(server.url, cases, 8)
-        with ThreadPoolExecutor(8) as pool:
-            long = list(
-                pool.map(
-                    lambda c: _generate(server.url, c["ids"], c["max_new_tokens"] + ORACLE_EXTRA, ignore_eos=True),
-                    [c for c in cases if c["oracle"]],
-                )
-            )
+        penalized = _run_all(server.url, penalized_cases, 4)
+        unpenalized = _run_all(server.url, [{k: v for k, v in c.items() if k != "penalties"} for c in penalized_cases], 4)
+        long = _run_all(server.url, [dict(c, max_new_tokens=c["max_new_tokens"] + ORACLE_EXTRA) for c in oracle_cases], 8,
+                        ignore_eos=True)  # fmt: skip
         logprobs = _with_logprobs(server.url, cases)
         biased = [_generate(server.url, cases[i]["ids"], cases[i]["max_new_tokens"], return_logprob=True,
                             **_logit_bias(outputs[i]["output_ids"])) for i in BIAS_CASES]  # fmt: skip
     finally:
         server.stop()
     oracle_file = work / "oracle.json"
-    oracle_file.write_text(json.dumps([[c["ids"], o["output_ids"]] for c, o in zip([c for c in cases if c["oracle"]], long)]))
+    oracle_file.write_text(json.dumps([[c["ids"], o["output_ids"]] for c, o in zip(oracle_cases, long)]))
     return {"output_ids": [o["output_ids"] for o in outputs], "oracle_file": str(oracle_file), "logprobs": logprobs,
-            "sampling_joint": _exact_joint(target_dir, cases[SAMPLING_CASE]["ids"]), "biased": biased}
+            "sampling_joint": _exact_joint(target_dir, cases[SAMPLING_CASE]["ids"]), "biased": biased,
+            "penalized": [o["output_ids"] for o in penalized], "unpenalized": [o["output_ids"] for o in unpenalized]}
 
 
 @pytest.fixture(scope="module", params=BUDGETS, ids=[f"budget{b}" for b in BUDGETS])
@@ -248,8 +284,6 @@ def test_triton_kernels_in_the_worker_are_lossless(target_dir, head_dir, cases, 
     oracle_meta = outputs[-1]["meta_info"]
     assert 1 + oracle_meta["spec_num_correct_drafts"] / oracle_meta["spec_verify_ct"] > 2.0
 
-
-REPETITIVE = "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday, Monday, Tuesday, Wednesday, Thursday,"
 
 
 @pytest.mark.slow
@@ -335,10 +369,29 @@ def test_logit_bias_equals_no_spec(jetflow_server, cases, reference):
 
 
 @pytest.mark.slow
+def test_penalties_equal_no_spec(jetflow_server, cases, penalized_cases, reference):
+    """Frequency, presence and repetition penalties and min_new_tokens, greedy: each tree node is
+    penalized for its own path, so the ids equal the no-spec server's with the same options, in
+    a batch mixed with plain requests. The oracle drafts three of the prompts (its continuations
+    are the penalized answers): long accepted paths whose nodes carry different counts."""
+    plain = [0, 3]
+    outputs = _run_all(jetflow_server.url, penalized_cases + [cases[i] for i in plain], 6)
+    for case, got, want, free in zip(penalized_cases, outputs, reference["penalized"], reference["unpenalized"]):
+        assert want != free, case["penalties"]  # the options changed the answer
+        assert got["output_ids"] == want, (jetflow_server.budget, case["penalties"])
+        meta = got["meta_info"]
+        if case["oracle"]:
+            assert 1 + meta["spec_num_correct_drafts"] / meta["spec_verify_ct"] > 2.0, (case["penalties"], meta)
+    for i, got in zip(plain, outputs[len(penalized_cases) :]):
+        assert got["output_ids"] == reference["output_ids"][i], i
+
+
+@pytest.mark.slow
 def test_sampling_follows_the_target_distribution_over_several_tokens(jetflow_server, cases, reference):
-    """Temperature 1, top-k 2, four new tokens: the joint distribution of the JETFLOW server's
-    continuations equals the one computed by hand from the target's logits (chi-square goodness of
-    fit), so tokens committed deep inside a tree are sampled right, not only the root. The oracle
+    """Temperature 1, top-k 3 with top-p 0.9 and min-p 0.1, four new tokens: the joint distribution
+    of the JETFLOW server's continuations equals the one computed from the target's logits with
+    SGLang's own sampler cut (chi-square goodness of fit), so tokens committed deep inside a tree
+    are sampled right, not only the root. The oracle
     drafts this prompt, so sampled tokens that match its drafts commit multi-token paths. Greedy
     requests batched with the sampled ones still return the no-spec ids."""
     from collections import Counter
@@ -355,7 +408,7 @@ def test_sampling_follows_the_target_distribution_over_several_tokens(jetflow_se
         assert out["output_ids"] == reference["output_ids"][i], i
     got = Counter(tuple(o["output_ids"]) for o in sampled)
     outside = [o for o in got if o not in joint]
-    assert not outside, f"continuations outside the top-2 support: {outside}"
+    assert not outside, f"continuations outside the filtered support: {outside}"
     common = sorted((o for o in joint if joint[o] * SAMPLES >= 5), key=joint.get, reverse=True)
     observed = [got[o] for o in common] + [SAMPLES - sum(got[o] for o in common)]
     expected = [joint[o] * SAMPLES for o in common] + [SAMPLES * (1 - sum(joint[o] for o in common))]
@@ -371,20 +424,15 @@ def test_sampling_follows_the_target_distribution_over_several_tokens(jetflow_se
 
 @pytest.mark.slow
 def test_requests_jetflow_would_serve_differently_are_refused(jetflow_server, cases, reference):
-    """Grammars, min_p, seeded sampling and the options that change a node's logits by the tokens
-    before it get a 400 naming it (the tree walk would ignore them); the server keeps serving."""
+    """Grammars and seeded sampling get a 400 naming the option (the tree walk would
+    ignore them); the server keeps serving."""
     import urllib.error
 
     ids = cases[0]["ids"]
     refused = [
         ({"regex": "[0-9]+"}, {}, "regex grammar"),
-        ({"temperature": 0.7, "min_p": 0.1}, {}, "min_p"),
         ({"temperature": 0.7, "sampling_seed": 3}, {}, "sampling_seed"),
         ({"temperature": 0.7}, {"return_logprob": True}, "logprobs of sampled tokens"),
-        ({"repetition_penalty": 1.3}, {}, "repetition_penalty"),
-        ({"frequency_penalty": 0.5}, {}, "frequency_penalty"),
-        ({"presence_penalty": 0.5}, {}, "presence_penalty"),
-        ({"min_new_tokens": 2}, {}, "min_new_tokens"),
         ({}, {"return_logprob": True, "top_logprobs_num": 3}, "top_logprobs_num"),
     ]
     for params, extra, needle in refused:

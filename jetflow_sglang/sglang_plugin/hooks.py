@@ -22,8 +22,9 @@ Runs in every SGLang process (``sglang.srt.plugins.load_plugins``):
 * wraps the scheduler's request check ``validate_input_length`` (the one place
   every generate request passes before it is queued; SGLang has no request
   validation seam for speculative algorithms) so that, only while JETFLOW is the
-  speculative algorithm, a sampling or grammar-constrained request is refused
-  with a 400 and a message saying why, instead of being decoded greedily;
+  speculative algorithm, a request asking for what the tree walk does not apply yet
+  (``spec_algo.request_error``: grammars, min_p, seeds) is refused with a 400 and a
+  message saying why, instead of being served differently from the target alone;
 * wraps ``ModelRunner._decode_cuda_graph_runner_cls`` and
   ``spec_info.create_dummy_verify_input`` (SGLang's own seams for per-algorithm graph
   runners and warmup inputs) so that JETFLOW's tree verify is captured in CUDA graphs

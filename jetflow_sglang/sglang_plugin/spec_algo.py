@@ -141,28 +141,21 @@ UNSUPPORTED = "JETFLOW speculative decoding does not support {what} yet"
 def request_error(req) -> Optional[str]:
     """Why JETFLOW cannot serve this request exactly as the target alone would, or None.
 
-    Served: greedy decoding and sampling (temperature, top-k, top-p), logit bias (the same at
-    every node), stop conditions, output logprobs. Refused: grammars, min_p, seeded sampling,
-    and the options whose effect on a node's logits depends on the tokens before it
-    (penalties, min_new_tokens, custom logit processors), which the tree walk does not apply."""
+    Served: greedy decoding and sampling (temperature, top-k, top-p, min-p, cut as SGLang cuts
+    them), logit bias (the same at every node), frequency / presence / repetition penalties and
+    min_new_tokens (per node, from its own path: tree_penalties.py), stop conditions, output
+    logprobs. Refused: grammars, seeded sampling and custom logit processors, which the tree
+    walk does not apply."""
     params = req.sampling_params
     if getattr(params, "max_new_tokens", None) == 0:
         return None  # prefill only (scoring, frontend `select`): nothing is ever decoded
     temperature = getattr(params, "temperature", 0.0) or 0.0
     sampling = temperature > 0 and getattr(params, "top_k", 1) != 1
-    if sampling and (getattr(params, "min_p", 0.0) or 0.0) > 0:
-        return UNSUPPORTED.format(what=f"min_p {params.min_p}")
     if sampling and getattr(params, "sampling_seed", None) is not None:
         return UNSUPPORTED.format(what="sampling_seed")
     for field in ("json_schema", "regex", "ebnf", "structural_tag"):
         if getattr(params, field, None):
             return UNSUPPORTED.format(what=f"a {field} grammar constraint")
-    for field, neutral in (
-        ("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0), ("min_new_tokens", 0),
-    ):  # fmt: skip
-        value = getattr(params, field, neutral)
-        if value is not None and value != neutral:
-            return UNSUPPORTED.format(what=f"{field} {value}")
     if getattr(req, "custom_logit_processor", None):
         return UNSUPPORTED.format(what="custom logit processors")
     if getattr(req, "return_hidden_states", False):

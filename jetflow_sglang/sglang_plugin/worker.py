@@ -10,8 +10,9 @@ own buffers, indexed by the target's KV slot ids (radix-cache hits reuse them).
 * Decode: ``batch.seq_lens`` committed tokens have KV; the anchor (the pending
   bonus token, ``spec_info.bonus_tokens``) sits at position ``seq_len``. One draft
   pass -> best-first tree -> one TARGET_VERIFY forward with the FULL_MASK tree mask
-  (graph-captured on GPUs, :mod:`.verify_input`) -> tree walk (greedy, or the target's
-  own sampling at each path node) ->
+  (graph-captured on GPUs, :mod:`.verify_input`) -> tree walk over logits penalized and
+  cut as SGLang's sampler would (greedy, or the target's own sampling at each path node:
+  :mod:`.node_acceptance`) ->
   the accepted path's target KV moves to the front slots ``[seq_len, seq_len + a]``
   and its features become head context K/V there. Committed tokens (accepted drafts
   then the bonus) go at the front of each request's row of width Q.
@@ -40,13 +41,13 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.eagle_utils import eagle_prepare_for_verify
 
-from jetflow_kernels import accept_greedy, accept_sampling, backend_name, build_tree_from_topk, tree_masks
-from jetflow_sglang.accept import Acceptance
+from jetflow_kernels import backend_name, build_tree_from_topk, tree_masks
 from jetflow_sglang.head import JetFlowHead
-from jetflow_sglang.tree import DraftTree
 
+from .committed_ids import CommittedIds
 from .feature_dump import FeatureDump
 from .lookup_branch import LookupBranch, lookup_enabled
+from .node_acceptance import accept_round
 from .proposer import DraftRequest, HeadProposer, OracleProposer, Proposer
 from .spec_algo import request_error
 from .verify_input import verify_input
@@ -85,6 +86,7 @@ class JetFlowWorker(BaseSpecWorker):
         model.set_dflash_layers_to_capture(list(head.config.target_layer_ids))
         self.proposer: Optional[Proposer] = None
         self.lookup = LookupBranch(self.depths) if lookup_enabled() else None
+        self.committed_ids = CommittedIds()  # token ids with KV per request (overlap: req.output_ids lags)
         self.profile = os.environ.get(PROFILE_ENV, "") == "1"
         self.feature_dump = FeatureDump.from_env()  # tests: captured taps against HF's
         self.timings: dict[str, float] = defaultdict(float)
@@ -127,24 +129,6 @@ class JetFlowWorker(BaseSpecWorker):
         elif os.environ.get(DRAFT_PADDING_ENV) == "1":
             logger.warning("JETFLOW: draft pass padded to batch sizes %s without capture (test)", TEST_DRAFT_BATCH_SIZES)
             self.head_proposer.use_graphs(TEST_DRAFT_BATCH_SIZES, "padded")
-
-    def _accept(self, tree: DraftTree, logits: torch.Tensor, sampling_info) -> Acceptance:
-        """Greedy walk over the target's argmax; with any sampling request in the batch, each
-        path node's target token is drawn from its processed distribution (temperature, top-k,
-        top-p) with a fresh uniform, so committed tokens follow the target's own sampling law.
-        Greedy requests in a mixed batch (top_k 1) take the argmax. A request's `logit_bias` is
-        added to every node's logits first, in place, as SGLang adds it before its own pick (so
-        returned logprobs see it too)."""
-        if sampling_info is not None and sampling_info.logit_bias is not None:
-            logits.add_(sampling_info.logit_bias[:, None, : logits.shape[-1]].to(logits.dtype))
-        if sampling_info is None or sampling_info.is_all_greedy:
-            return accept_greedy(tree, logits.argmax(-1), max_depth=self.depths)
-        top_ks = sampling_info.top_ks.view(-1).to(torch.int64)
-        temperatures = torch.where(top_ks == 1, 0.0, sampling_info.temperatures.view(-1).float())
-        uniforms = torch.rand(tree.tokens.shape, device=logits.device)
-        return accept_sampling(
-            tree, logits, uniforms, temperatures, top_ks, sampling_info.top_ps.view(-1).float(), max_depth=self.depths
-        )
 
     def buffer_report(self, num_slots: int) -> str:
         """What the budget costs in memory, from the actual batch cap (`--max-running-requests`,
@@ -215,8 +199,7 @@ class JetFlowWorker(BaseSpecWorker):
             [torch.arange(p, p + n, device=self.device) for p, n in zip(batch.prefix_lens, extend_lens)]
         )
         self.proposer.write_context(hidden, batch.out_cache_loc, positions)
-        if self.lookup is not None:
-            self.lookup.on_extend(batch.reqs, batch.seq_lens)
+        self.committed_ids.on_extend(batch.reqs, batch.seq_lens)
         if self.feature_dump is not None:
             rids = [req.rid for req in batch.reqs]
             self.feature_dump.extend(rids, batch.input_ids, extend_lens, positions, hidden)
@@ -248,8 +231,9 @@ class JetFlowWorker(BaseSpecWorker):
 
         topk_logprobs, topk_tokens = logits.float().log_softmax(-1).topk(min(self.width, logits.shape[-1]), dim=-1)
         tree = build_tree_from_topk(anchors, topk_logprobs, topk_tokens, budget)
+        self.committed_ids.keep_only(batch.reqs)
         if self.lookup is not None:
-            tree = self.lookup.merge(tree, batch.reqs, seq_lens, anchors)
+            tree = self.lookup.merge(tree, batch.reqs, seq_lens, anchors, self.committed_ids)
         masks = tree_masks(tree.parents, tree.depths, seq_lens, packed=False)
         spec_input = verify_input(
             masks.full_mask, budget, self.depths, self.width,
@@ -263,7 +247,8 @@ class JetFlowWorker(BaseSpecWorker):
         logits_output: LogitsProcessorOutput = target.logits_output
         t = self._tick("verify", t)
 
-        acceptance = self._accept(tree, logits_output.next_token_logits.view(bs, budget, -1), batch.sampling_info)
+        verify_logits = logits_output.next_token_logits.view(bs, budget, -1)
+        acceptance = accept_round(tree, verify_logits, batch, seq_lens, anchors, self.committed_ids, self.depths)
         accept_lens = (acceptance.num_accepted + 1).to(torch.int32)
         new_seq_lens = seq_lens + accept_lens
         if on_publish is not None:
@@ -287,8 +272,7 @@ class JetFlowWorker(BaseSpecWorker):
         if self.feature_dump is not None:
             rids = [req.rid for req in batch.reqs]
             self.feature_dump.verify(rids, seq_lens, anchors, committed, acceptance.num_accepted, path_features)
-        if self.lookup is not None:
-            self.lookup.on_accept(batch.reqs, seq_lens, anchors, committed, acceptance.num_accepted)
+        self.committed_ids.on_accept(batch.reqs, seq_lens, anchors, committed, acceptance.num_accepted)
         if batch.return_logprob:  # per request, its committed tokens' log-probs (SGLang slices accept_lens)
             logits = logits_output.next_token_logits.view(bs, budget, -1)
             logits_output.next_token_logprobs = committed_logprobs(logits, path, committed)
