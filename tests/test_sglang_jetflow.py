@@ -424,14 +424,15 @@ def test_sampling_follows_the_target_distribution_over_several_tokens(jetflow_se
 
 @pytest.mark.slow
 def test_requests_jetflow_would_serve_differently_are_refused(jetflow_server, cases, reference):
-    """Grammars and seeded sampling get a 400 naming the option (the tree walk would
-    ignore them); the server keeps serving."""
+    """Grammars (the tree walk would ignore them), min_p with a seed (SGLang's seeded sampler
+    asserts against it) and logprobs the worker does not produce get a 400 naming the option;
+    the server keeps serving."""
     import urllib.error
 
     ids = cases[0]["ids"]
     refused = [
         ({"regex": "[0-9]+"}, {}, "regex grammar"),
-        ({"temperature": 0.7, "sampling_seed": 3}, {}, "sampling_seed"),
+        ({"temperature": 0.7, "sampling_seed": 3, "min_p": 0.1}, {}, "min_p with sampling_seed"),
         ({"temperature": 0.7}, {"return_logprob": True}, "logprobs of sampled tokens"),
         ({}, {"return_logprob": True, "top_logprobs_num": 3}, "top_logprobs_num"),
     ]

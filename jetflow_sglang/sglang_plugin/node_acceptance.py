@@ -6,7 +6,9 @@ path (:mod:`.tree_penalties`), then the request's ``logit_bias``. Then the walk:
 the argmax, or, with any sampling request in the batch, each path node's target token drawn
 from its processed distribution (temperature, top-k, top-p, min-p as SGLang cuts them:
 :mod:`.sampling_filters`) with a fresh uniform, so committed tokens follow the target's own
-sampling law. Greedy requests in a mixed batch (top-k 1) take the argmax.
+sampling law. Greedy requests in a mixed batch (top-k 1) take the argmax. Under SGLang's
+deterministic inference each node's token is SGLang's seeded draw at the node's position
+(:mod:`.seeded_sampling`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from jetflow_sglang.tree import DraftTree
 
 from .committed_ids import CommittedIds
 from .sampling_filters import needs_sglang_cut, sglang_cut
+from .seeded_sampling import seeded_picks
 from .tree_penalties import apply_tree_penalties
 
 
@@ -33,6 +36,8 @@ def accept_round(
         logits.add_(sampling_info.logit_bias[:, None, : logits.shape[-1]].to(logits.dtype))
     if sampling_info is None or sampling_info.is_all_greedy:
         return accept_greedy(tree, logits.argmax(-1), max_depth=max_depth)
+    if sampling_info.sampling_seed is not None:  # --enable-deterministic-inference
+        return accept_greedy(tree, seeded_picks(logits, tree, seq_lens, sampling_info), max_depth=max_depth)
     top_ks = sampling_info.top_ks.view(-1).to(torch.int64)
     temperatures = torch.where(top_ks == 1, 0.0, sampling_info.temperatures.view(-1).float())
     top_ps = sampling_info.top_ps.view(-1).float()
