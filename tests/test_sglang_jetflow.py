@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -93,17 +94,26 @@ def cases(target_dir) -> list[dict]:
     return out
 
 
-@pytest.fixture(scope="module")
-def penalized_cases(target_dir) -> list[dict]:
+def _option_cases(target_dir: str, prompts: list, max_new_tokens: int) -> list[dict]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target_dir)
     out = []
-    for text, chat, penalties, oracle in PENALIZED_PROMPTS:
+    for text, chat, options, oracle in prompts:
         ids = (list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False))
                if chat else tok(text).input_ids)  # fmt: skip
-        out.append({"ids": ids, "oracle": oracle, "max_new_tokens": 28, "penalties": penalties})
+        out.append({"ids": ids, "oracle": oracle, "max_new_tokens": max_new_tokens, "options": options})
     return out
+
+
+@pytest.fixture(scope="module")
+def penalized_cases(target_dir) -> list[dict]:
+    return _option_cases(target_dir, PENALIZED_PROMPTS, 28)
+
+
+@pytest.fixture(scope="module")
+def grammar_cases(target_dir) -> list[dict]:
+    return _option_cases(target_dir, GRAMMAR_PROMPTS, 48)
 
 
 def _generate(url: str, ids: list[int], max_new_tokens: int, ignore_eos: bool = False, **extra) -> dict:
@@ -167,6 +177,18 @@ PENALIZED_PROMPTS = [  # text, chat, penalties, oracle-drafted
     ("Type the number 7.", True, {"min_new_tokens": 12}, True),  # EOS after 7 tokens without the option
     (REPETITIVE, False, {"frequency_penalty": 0.5}, False),  # head + lookup, whose repeats the penalty rejects
 ]
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+GRAMMAR_PROMPTS = [  # text, chat, grammar, oracle-drafted (its continuation: the constrained answer)
+    ("Is water wet? Answer, then give a reason.", True, {"regex": r"(Yes|No), because [a-z ,]{10,60}\."}, True),
+    ("Describe a made-up person.", True, {"json_schema": json.dumps(PERSON_SCHEMA)}, True),
+    ("List three colors.", True, {"ebnf": 'root ::= color ", " color ", and " color "."\ncolor ::= "red" | "green" | "blue" | "yellow" | "black" | "white"'}, True),
+    ("Name a fruit.", True, {"regex": "[A-Z][a-z]+( and [A-Z][a-z]+)?"}, False),  # head-drafted
+]
 BIAS_CASES = [3, 6, 11, 12]  # raw completions that run to their limit: two head-drafted, two oracle-drafted
 
 
@@ -182,7 +204,7 @@ def _with_logprobs(url: str, cases: list[dict]) -> list[dict]:
 
 def _run_all(url: str, cases: list[dict], concurrency: int, **extra) -> list[dict]:
     def run(case: dict) -> dict:
-        params = {"sampling_params_extra": case["penalties"]} if "penalties" in case else {}
+        params = {"sampling_params_extra": case["options"]} if "options" in case else {}
         return _generate(url, case["ids"], case["max_new_tokens"], **params, **extra)
 
     with ThreadPoolExecutor(concurrency) as pool:
@@ -190,18 +212,19 @@ def _run_all(url: str, cases: list[dict], concurrency: int, **extra) -> list[dic
 
 
 @pytest.fixture(scope="module")
-def reference(target_dir, cases, penalized_cases, tmp_path_factory) -> dict:
+def reference(target_dir, cases, penalized_cases, grammar_cases, tmp_path_factory) -> dict:
     """No-spec greedy outputs, and the oracle file (continuations past EOS and the limit).
     Without overlap scheduling: SGLang's overlap scheduler feeds its penalizers one round late
     (tree_penalties.py); the exact penalties are the non-overlap server's, and nothing else
     here depends on overlap."""
     work = tmp_path_factory.mktemp("jetflow_ref")
     server = sglang_server.start(target_dir, work / "nospec.log", "--disable-overlap-schedule")
-    oracle_cases = [c for c in cases + penalized_cases if c["oracle"]]
+    oracle_cases = [c for c in cases + penalized_cases + grammar_cases if c["oracle"]]
     try:
         outputs = _run_all(server.url, cases, 8)
         penalized = _run_all(server.url, penalized_cases, 4)
-        unpenalized = _run_all(server.url, [{k: v for k, v in c.items() if k != "penalties"} for c in penalized_cases], 4)
+        unpenalized = _run_all(server.url, [{k: v for k, v in c.items() if k != "options"} for c in penalized_cases], 4)
+        constrained = _run_all(server.url, grammar_cases, 4)
         long = _run_all(server.url, [dict(c, max_new_tokens=c["max_new_tokens"] + ORACLE_EXTRA) for c in oracle_cases], 8,
                         ignore_eos=True)  # fmt: skip
         logprobs = _with_logprobs(server.url, cases)
@@ -213,7 +236,8 @@ def reference(target_dir, cases, penalized_cases, tmp_path_factory) -> dict:
     oracle_file.write_text(json.dumps([[c["ids"], o["output_ids"]] for c, o in zip(oracle_cases, long)]))
     return {"output_ids": [o["output_ids"] for o in outputs], "oracle_file": str(oracle_file), "logprobs": logprobs,
             "sampling_joint": _exact_joint(target_dir, cases[SAMPLING_CASE]["ids"]), "biased": biased,
-            "penalized": [o["output_ids"] for o in penalized], "unpenalized": [o["output_ids"] for o in unpenalized]}
+            "penalized": [o["output_ids"] for o in penalized], "unpenalized": [o["output_ids"] for o in unpenalized],
+            "constrained": constrained}
 
 
 @pytest.fixture(scope="module", params=BUDGETS, ids=[f"budget{b}" for b in BUDGETS])
@@ -377,13 +401,41 @@ def test_penalties_equal_no_spec(jetflow_server, cases, penalized_cases, referen
     plain = [0, 3]
     outputs = _run_all(jetflow_server.url, penalized_cases + [cases[i] for i in plain], 6)
     for case, got, want, free in zip(penalized_cases, outputs, reference["penalized"], reference["unpenalized"]):
-        assert want != free, case["penalties"]  # the options changed the answer
-        assert got["output_ids"] == want, (jetflow_server.budget, case["penalties"])
+        assert want != free, case["options"]  # the options changed the answer
+        assert got["output_ids"] == want, (jetflow_server.budget, case["options"])
         meta = got["meta_info"]
         if case["oracle"]:
-            assert 1 + meta["spec_num_correct_drafts"] / meta["spec_verify_ct"] > 2.0, (case["penalties"], meta)
+            assert 1 + meta["spec_num_correct_drafts"] / meta["spec_verify_ct"] > 2.0, (case["options"], meta)
     for i, got in zip(plain, outputs[len(penalized_cases) :]):
         assert got["output_ids"] == reference["output_ids"][i], i
+
+
+@pytest.mark.slow
+def test_grammars_equal_no_spec_in_a_mixed_batch(jetflow_server, cases, penalized_cases, grammar_cases, reference):
+    """A regex, a JSON schema, an EBNF grammar: each tree node's logits carry the grammar's mask
+    for its own path, so the ids equal the no-spec server's. The oracle drafts three of them (its
+    continuations are the constrained answers): accepted paths run through grammar-forced tokens
+    and the grammar's end. They share batches with penalized, sampled and plain requests."""
+    import jsonschema
+
+    plain = [0, 3]
+    sampled = [{"input_ids": cases[SAMPLING_CASE]["ids"], "sampling_params": SAMPLING}] * 4
+    mixed = grammar_cases + penalized_cases + [cases[i] for i in plain]
+    with ThreadPoolExecutor(len(mixed) + len(sampled)) as pool:
+        draws = [pool.submit(sglang_server.post, jetflow_server.url + "/generate", body) for body in sampled]
+        outputs = _run_all(jetflow_server.url, mixed, len(mixed))
+        draws = [d.result() for d in draws]
+    for case, got, want in zip(grammar_cases, outputs, reference["constrained"]):
+        assert got["output_ids"] == want["output_ids"], (jetflow_server.budget, case["options"], got["text"], want["text"])
+        meta = got["meta_info"]
+        if case["oracle"]:
+            assert 1 + meta["spec_num_correct_drafts"] / meta["spec_verify_ct"] > 2.0, (case["options"], meta)
+    answer = json.loads(outputs[1]["text"])
+    jsonschema.validate(answer, PERSON_SCHEMA)
+    assert re.fullmatch(r"(Yes|No), because [a-z ,]{10,60}\.", outputs[0]["text"]), outputs[0]["text"]
+    for got, want in zip(outputs[len(grammar_cases) :], reference["penalized"] + [reference["output_ids"][i] for i in plain]):
+        assert got["output_ids"] == want
+    assert all(tuple(d["output_ids"]) in reference["sampling_joint"] for d in draws)
 
 
 @pytest.mark.slow
@@ -424,14 +476,12 @@ def test_sampling_follows_the_target_distribution_over_several_tokens(jetflow_se
 
 @pytest.mark.slow
 def test_requests_jetflow_would_serve_differently_are_refused(jetflow_server, cases, reference):
-    """Grammars (the tree walk would ignore them), min_p with a seed (SGLang's seeded sampler
-    asserts against it) and logprobs the worker does not produce get a 400 naming the option;
-    the server keeps serving."""
+    """min_p with a seed (SGLang's seeded sampler asserts against it) and logprobs the worker does
+    not produce get a 400 naming the option; the server keeps serving."""
     import urllib.error
 
     ids = cases[0]["ids"]
     refused = [
-        ({"regex": "[0-9]+"}, {}, "regex grammar"),
         ({"temperature": 0.7, "sampling_seed": 3, "min_p": 0.1}, {}, "min_p with sampling_seed"),
         ({"temperature": 0.7}, {"return_logprob": True}, "logprobs of sampled tokens"),
         ({}, {"return_logprob": True, "top_logprobs_num": 3}, "top_logprobs_num"),

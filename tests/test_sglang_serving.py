@@ -10,7 +10,8 @@ JETFLOW server with the no-spec one:
   features at the head's tap layers (the head sees what it was trained on);
 * streaming (`/generate` and the OpenAI client), stop strings and stop token ids landing
   inside accepted paths (the test oracle drafts those prompts), request abort;
-* an SGLang frontend program with `gen`, `fork` and `select`;
+* an SGLang frontend program with `gen`, `fork`, `select`, a regex `gen` and a `gen` with
+  `choices`; OpenAI `response_format` with a JSON schema;
 * `python -m sglang.bench_serving` on the repaired ShareGPT file: no failures, an
   accept length reported.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -321,16 +323,41 @@ def test_frontend_program_with_gen_fork_select(servers):
         for i, branch in enumerate(branches):
             branch += f"\nAnother fact about {topic}, number {i + 2}:" + sgl.gen("more", max_tokens=16, stop="\n", temperature=0)
         s += "\nIs the first fact true? Answer:" + sgl.select("verdict", choices=[" yes", " no", " unsure"])
+        s += "\nHow sure are you, in percent?" + sgl.gen("sure", regex=r" [0-9]{1,2}%", temperature=0)
+        s += "\nOne more word about it:" + sgl.gen("word", choices=[" big", " small", " old"], temperature=0)
         s["branches"] = [branch["more"] for branch in branches]
 
     def run(url):
         states = facts.run_batch([{"topic": "the moon"}, {"topic": "Python"}], backend=sgl.RuntimeEndpoint(url), num_threads=2)
-        return [(st["fact"], st["branches"], st["verdict"]) for st in states]
+        return [(st["fact"], st["branches"], st["verdict"], st["sure"], st["word"]) for st in states]
 
     want, got = _both(servers, run)
     assert got == want
-    assert all(fact.strip() and all(more.strip() for more in branches) for fact, branches, _ in got), got
-    assert all(verdict in (" yes", " no", " unsure") for _, _, verdict in got), got
+    assert all(fact.strip() and all(more.strip() for more in branches) for fact, branches, *_ in got), got
+    assert all(verdict in (" yes", " no", " unsure") for _, _, verdict, _, _ in got), got
+    assert all(re.fullmatch(r" [0-9]{1,2}%", sure) and word in (" big", " small", " old") for *_, sure, word in got), got
+
+
+@pytest.mark.slow
+def test_openai_response_format_json_schema(servers):
+    """OpenAI `response_format` with a JSON schema: the JETFLOW server's answer (tree verify under
+    the grammar's per-node masks) equals the no-spec server's and validates against the schema."""
+    import jsonschema
+    from openai import OpenAI
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer"}},
+              "required": ["city", "population"], "additionalProperties": False}  # fmt: skip
+    answers = []
+    for url in (servers["plain"], servers["jetflow"]):
+        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id, temperature=0, max_tokens=64,
+            messages=[{"role": "user", "content": "Give a city and its population as JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+        )  # fmt: skip
+        answers.append(reply.choices[0].message.content)
+    assert answers[1] == answers[0]
+    jsonschema.validate(json.loads(answers[1]), schema)
 
 
 # ------------------------------------------------------------------ bench_serving

@@ -2,7 +2,8 @@
 
 Each node's verify logits are first made what SGLang's sampler would see at that position,
 in place (returned logprobs see them too, as in SGLang): the node's penalties for its own
-path (:mod:`.tree_penalties`), then the request's ``logit_bias``. Then the walk: greedy over
+path (:mod:`.tree_penalties`), its grammar mask (:mod:`.tree_grammar`), then the request's
+``logit_bias``. Then the walk: greedy over
 the argmax, or, with any sampling request in the batch, each path node's target token drawn
 from its processed distribution (temperature, top-k, top-p, min-p as SGLang cuts them:
 :mod:`.sampling_filters`) with a fresh uniform, so committed tokens follow the target's own
@@ -23,6 +24,7 @@ from jetflow_sglang.tree import DraftTree
 from .committed_ids import CommittedIds
 from .sampling_filters import needs_sglang_cut, sglang_cut
 from .seeded_sampling import seeded_picks
+from .tree_grammar import apply_grammar, grammar_mask
 from .tree_penalties import apply_tree_penalties
 
 
@@ -32,6 +34,7 @@ def accept_round(
     """logits: [b, N, V] verify logits (modified in place); batch: the SGLang ScheduleBatch."""
     sampling_info = batch.sampling_info
     apply_tree_penalties(logits, tree, batch.reqs, seq_lens, anchors, committed)
+    apply_grammar(logits, grammar_mask(tree, batch))
     if sampling_info is not None and sampling_info.logit_bias is not None:
         logits.add_(sampling_info.logit_bias[:, None, : logits.shape[-1]].to(logits.dtype))
     if sampling_info is None or sampling_info.is_all_greedy:

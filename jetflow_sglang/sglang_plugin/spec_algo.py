@@ -144,9 +144,9 @@ def request_error(req) -> Optional[str]:
     Served: greedy decoding and sampling (temperature, top-k, top-p, min-p, cut as SGLang cuts
     them; sampling_seed under deterministic inference: seeded_sampling.py), logit bias (the
     same at every node), frequency / presence / repetition penalties and min_new_tokens (per
-    node, from its own path: tree_penalties.py), stop conditions, output logprobs. Refused:
-    grammars and custom logit processors, which the tree walk does not apply, and min_p with a
-    seed, which SGLang's seeded sampler asserts against."""
+    node, from its own path: tree_penalties.py), grammars (a bitmask per node: tree_grammar.py),
+    stop conditions, output logprobs. Refused: custom logit processors, which the tree walk does
+    not apply, and min_p with a seed, which SGLang's seeded sampler asserts against."""
     params = req.sampling_params
     if getattr(params, "max_new_tokens", None) == 0:
         return None  # prefill only (scoring, frontend `select`): nothing is ever decoded
@@ -154,9 +154,6 @@ def request_error(req) -> Optional[str]:
     sampling = temperature > 0 and getattr(params, "top_k", 1) != 1
     if sampling and getattr(params, "sampling_seed", None) is not None and (getattr(params, "min_p", 0.0) or 0.0) > 0:
         return "SGLang's seeded sampler does not support min_p with sampling_seed"
-    for field in ("json_schema", "regex", "ebnf", "structural_tag"):
-        if getattr(params, field, None):
-            return UNSUPPORTED.format(what=f"a {field} grammar constraint")
     if getattr(req, "custom_logit_processor", None):
         return UNSUPPORTED.format(what="custom logit processors")
     if getattr(req, "return_hidden_states", False):
