@@ -5,7 +5,9 @@ after the next round has been launched, so the worker cannot read the newest tok
 request. It keeps them here: seeded at each extend chunk (prompt, plus the output so far when a
 retracted request comes back), extended with every round's anchor and accepted drafts, and
 dropped when a decode batch no longer holds the request. The prompt-lookup branch matches the
-suffix of these ids; the tree penalties count the output part of them.
+suffix of these ids; the tree penalties count the output part of them. The worker skips the
+per-round update (a host sync) when neither reads them; a record left behind is then out of
+step and reads as unknown.
 """
 
 from __future__ import annotations

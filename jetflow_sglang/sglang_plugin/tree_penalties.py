@@ -116,6 +116,10 @@ def penalize_tree(
         logits.copy_(torch.where(present, scaled, logits))
 
 
+def any_penalized(reqs: Sequence) -> bool:
+    return any(Penalties.of(req) is not None for req in reqs)
+
+
 def apply_tree_penalties(
     logits: Tensor, tree: DraftTree, reqs: Sequence, seq_lens: Tensor, anchors: Tensor, committed: CommittedIds
 ) -> None:

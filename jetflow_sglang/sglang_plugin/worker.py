@@ -50,6 +50,7 @@ from .lookup_branch import LookupBranch, lookup_enabled
 from .node_acceptance import accept_round
 from .proposer import DraftRequest, HeadProposer, OracleProposer, Proposer
 from .spec_algo import request_error
+from .tree_penalties import any_penalized
 from .verify_input import verify_input
 
 logger = logging.getLogger(__name__)
@@ -272,7 +273,8 @@ class JetFlowWorker(BaseSpecWorker):
         if self.feature_dump is not None:
             rids = [req.rid for req in batch.reqs]
             self.feature_dump.verify(rids, seq_lens, anchors, committed, acceptance.num_accepted, path_features)
-        self.committed_ids.on_accept(batch.reqs, seq_lens, anchors, committed, acceptance.num_accepted)
+        if self.lookup is not None or any_penalized(batch.reqs):  # a host sync: only when read
+            self.committed_ids.on_accept(batch.reqs, seq_lens, anchors, committed, acceptance.num_accepted)
         if batch.return_logprob:  # per request, its committed tokens' log-probs (SGLang slices accept_lens)
             logits = logits_output.next_token_logits.view(bs, budget, -1)
             logits_output.next_token_logprobs = committed_logprobs(logits, path, committed)
