@@ -3,13 +3,12 @@
 Each node's verify logits are first made what SGLang's sampler would see at that position,
 in place (returned logprobs see them too, as in SGLang): the node's penalties for its own
 path (:mod:`.tree_penalties`), its grammar mask (:mod:`.tree_grammar`), then the request's
-``logit_bias``. Then the walk: greedy over
-the argmax, or, with any sampling request in the batch, each path node's target token drawn
-from its processed distribution (temperature, top-k, top-p, min-p as SGLang cuts them:
-:mod:`.sampling_filters`) with a fresh uniform, so committed tokens follow the target's own
-sampling law. Greedy requests in a mixed batch (top-k 1) take the argmax. Under SGLang's
-deterministic inference each node's token is SGLang's seeded draw at the node's position
-(:mod:`.seeded_sampling`).
+``logit_bias``. Then the walk: greedy over the argmax, or, with any sampling request in the
+batch, each path node's target token drawn from its processed distribution (temperature,
+top-k, top-p, min-p as SGLang cuts them: :mod:`.sampling_filters`) with a fresh uniform, so
+committed tokens follow the target's own sampling law. Greedy requests in a mixed batch
+(top-k 1) take the argmax. Under SGLang's deterministic inference each node's token is
+SGLang's seeded draw at the node's position (:mod:`.seeded_sampling`).
 """
 
 from __future__ import annotations
@@ -45,10 +44,11 @@ def accept_round(
     temperatures = torch.where(top_ks == 1, 0.0, sampling_info.temperatures.view(-1).float())
     top_ps = sampling_info.top_ps.view(-1).float()
     min_ps = sampling_info.min_ps.view(-1).float() if sampling_info.need_min_p_sampling else torch.zeros_like(top_ps)
-    cut = needs_sglang_cut(top_ks, top_ps, min_ps, logits.shape[-1]) & (temperatures > 0)
-    for i in cut.nonzero().flatten().tolist():
-        logits[i] = sglang_cut(logits[i], float(temperatures[i]), int(top_ks[i]), float(top_ps[i]), float(min_ps[i]))
-    top_ks = torch.where(cut, 0, top_ks)
-    top_ps = torch.where(cut, 1.0, top_ps)
+    if sampling_info.need_min_p_sampling or (sampling_info.need_top_k_sampling and sampling_info.need_top_p_sampling):
+        cut = needs_sglang_cut(top_ks, top_ps, min_ps, logits.shape[-1]) & (temperatures > 0)
+        for i in cut.nonzero().flatten().tolist():  # host sync, only for these options
+            logits[i] = sglang_cut(logits[i], float(temperatures[i]), int(top_ks[i]), float(top_ps[i]), float(min_ps[i]))
+        top_ks = torch.where(cut, 0, top_ks)
+        top_ps = torch.where(cut, 1.0, top_ps)
     uniforms = torch.rand(tree.tokens.shape, device=logits.device)
     return accept_sampling(tree, logits, uniforms, temperatures, top_ks, top_ps, max_depth=max_depth)
