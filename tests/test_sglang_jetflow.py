@@ -15,6 +15,9 @@
   the head alone, both lossless, lookup committing more per round on repetitive text.
 * Penalties (frequency, presence, repetition, min_new_tokens) equal a no-spec server's with the
   same options; oracle-drafted penalized prompts commit long paths through per-node counts.
+* Grammars (regex, JSON schema, EBNF) and a frontend program with regex, JSON-schema and
+  `choices` gens equal the no-spec server's, in batches mixed with penalized, sampled and
+  plain requests; sampling with top-k, top-p and min-p follows SGLang's own law.
 * Bad heads and budgets: the launcher exits non-zero with a message naming the problem.
 """
 
@@ -211,6 +214,25 @@ def _run_all(url: str, cases: list[dict], concurrency: int, **extra) -> list[dic
         return list(pool.map(run, cases))
 
 
+def _frontend(url: str) -> list[dict]:
+    """An SGLang frontend program mixing free text, a regex gen, a JSON-schema gen and choices."""
+    import sglang as sgl
+
+    @sgl.function
+    def profile(s, topic):
+        s += sgl.user(f"Tell me about {topic} in one sentence.")
+        s += sgl.assistant(sgl.gen("sentence", max_tokens=24, temperature=0))
+        s += sgl.user("Rate it from 1 to 10, then say why.")
+        s += sgl.assistant(sgl.gen("rating", regex=r"[1-9]|10", temperature=0) + ". " + sgl.gen("why", max_tokens=12, temperature=0))
+        s += sgl.user("Give a made-up person as JSON.")
+        s += sgl.assistant(sgl.gen("person", json_schema=json.dumps(PERSON_SCHEMA), max_tokens=48, temperature=0))
+        s += sgl.user("Pick a color.")
+        s += sgl.assistant(sgl.gen("color", choices=["red", "green", "blue"], temperature=0))
+
+    states = profile.run_batch([{"topic": "the moon"}, {"topic": "Python"}], backend=sgl.RuntimeEndpoint(url), num_threads=2)
+    return [{k: st[k] for k in ("sentence", "rating", "why", "person", "color")} for st in states]
+
+
 @pytest.fixture(scope="module")
 def reference(target_dir, cases, penalized_cases, grammar_cases, tmp_path_factory) -> dict:
     """No-spec greedy outputs, and the oracle file (continuations past EOS and the limit).
@@ -230,6 +252,7 @@ def reference(target_dir, cases, penalized_cases, grammar_cases, tmp_path_factor
         logprobs = _with_logprobs(server.url, cases)
         biased = [_generate(server.url, cases[i]["ids"], cases[i]["max_new_tokens"], return_logprob=True,
                             **_logit_bias(outputs[i]["output_ids"])) for i in BIAS_CASES]  # fmt: skip
+        frontend = _frontend(server.url)
     finally:
         server.stop()
     oracle_file = work / "oracle.json"
@@ -237,7 +260,7 @@ def reference(target_dir, cases, penalized_cases, grammar_cases, tmp_path_factor
     return {"output_ids": [o["output_ids"] for o in outputs], "oracle_file": str(oracle_file), "logprobs": logprobs,
             "sampling_joint": _exact_joint(target_dir, cases[SAMPLING_CASE]["ids"]), "biased": biased,
             "penalized": [o["output_ids"] for o in penalized], "unpenalized": [o["output_ids"] for o in unpenalized],
-            "constrained": constrained}
+            "constrained": constrained, "frontend": frontend}
 
 
 @pytest.fixture(scope="module", params=BUDGETS, ids=[f"budget{b}" for b in BUDGETS])
@@ -436,6 +459,19 @@ def test_grammars_equal_no_spec_in_a_mixed_batch(jetflow_server, cases, penalize
     for got, want in zip(outputs[len(grammar_cases) :], reference["penalized"] + [reference["output_ids"][i] for i in plain]):
         assert got["output_ids"] == want
     assert all(tuple(d["output_ids"]) in reference["sampling_joint"] for d in draws)
+
+
+@pytest.mark.slow
+def test_frontend_program_with_grammars_and_choices_equals_no_spec(jetflow_server, reference):
+    """`sgl.gen(regex=...)`, `sgl.gen(json_schema=...)` and `sgl.gen(choices=...)` in an
+    `sgl.function` program, run as a batch: the same answers as the no-spec server."""
+    import jsonschema
+
+    got = _frontend(jetflow_server.url)
+    assert got == reference["frontend"], (jetflow_server.budget, got, reference["frontend"])
+    for answer in got:
+        assert re.fullmatch(r"[1-9]|10", answer["rating"]) and answer["color"] in ("red", "green", "blue"), answer
+        jsonschema.validate(json.loads(answer["person"]), PERSON_SCHEMA)
 
 
 @pytest.mark.slow
