@@ -23,15 +23,17 @@ def needs_sglang_cut(top_k: Tensor, top_p: Tensor, min_p: Tensor, vocab: int) ->
 def sglang_cut(logits: Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> Tensor:
     """logits: [N, V] of one request -> the same with -inf where SGLang's sampler gives zero
     probability (its order: temperature, softmax, top-k, top-p on the full cumulative mass,
-    min-p against the top probability)."""
+    min-p against the top probability). With top-k set only the k largest are sorted, as
+    SGLang's own sampler does (``max_top_k``)."""
     probs = (logits.float() / temperature).softmax(-1)
-    probs_sort, order = probs.sort(dim=-1, descending=True)
-    mass_through = probs_sort.cumsum(-1)
-    rank = torch.arange(probs.shape[-1], device=probs.device)
-    drop = rank[None, :] >= top_k if top_k > 0 else torch.zeros_like(probs_sort, dtype=torch.bool)
-    drop = drop | ((mass_through - probs_sort) > top_p)
+    vocab = probs.shape[-1]
+    if top_k <= 0 or top_k >= vocab:
+        if top_p >= 1.0:  # min-p alone: no sort needed
+            return logits.masked_fill(probs < probs.amax(-1, keepdim=True) * min_p, float("-inf"))
+        top_k = vocab
+    probs_sort, order = probs.topk(top_k, dim=-1, sorted=True)
+    drop = (probs_sort.cumsum(-1) - probs_sort) > top_p
     if min_p > 0:
-        kept_sort = probs_sort.masked_fill(drop, 0.0)
-        drop = drop | (kept_sort < (kept_sort[:, :1] * min_p))
-    dropped = torch.empty_like(drop).scatter_(-1, order, drop)
-    return logits.masked_fill(dropped, float("-inf"))
+        drop = drop | (probs_sort < probs_sort[:, :1] * min_p)
+    kept = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, ~drop)
+    return logits.masked_fill(~kept, float("-inf"))
