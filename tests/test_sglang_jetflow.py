@@ -442,7 +442,11 @@ def test_grammars_equal_no_spec_in_a_mixed_batch(jetflow_server, cases, penalize
     import jsonschema
 
     plain = [0, 3]
-    sampled = [{"input_ids": cases[SAMPLING_CASE]["ids"], "sampling_params": SAMPLING}] * 4
+    # At 256 nodes a 14-request batch costs ~2.5 min here; the penalized and sampled requests
+    # have their own tests at 256, so that budget mixes grammars with plain requests only.
+    full_mix = jetflow_server.budget < 256
+    sampled = [{"input_ids": cases[SAMPLING_CASE]["ids"], "sampling_params": SAMPLING}] * (4 if full_mix else 0)
+    penalized_cases = penalized_cases if full_mix else []
     mixed = grammar_cases + penalized_cases + [cases[i] for i in plain]
     with ThreadPoolExecutor(len(mixed) + len(sampled)) as pool:
         draws = [pool.submit(sglang_server.post, jetflow_server.url + "/generate", body) for body in sampled]
@@ -456,7 +460,8 @@ def test_grammars_equal_no_spec_in_a_mixed_batch(jetflow_server, cases, penalize
     answer = json.loads(outputs[1]["text"])
     jsonschema.validate(answer, PERSON_SCHEMA)
     assert re.fullmatch(r"(Yes|No), because [a-z ,]{10,60}\.", outputs[0]["text"]), outputs[0]["text"]
-    for got, want in zip(outputs[len(grammar_cases) :], reference["penalized"] + [reference["output_ids"][i] for i in plain]):
+    penalized_want = reference["penalized"] if full_mix else []
+    for got, want in zip(outputs[len(grammar_cases) :], penalized_want + [reference["output_ids"][i] for i in plain], strict=True):
         assert got["output_ids"] == want
     assert all(tuple(d["output_ids"]) in reference["sampling_joint"] for d in draws)
 
