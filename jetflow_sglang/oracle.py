@@ -8,6 +8,12 @@ true token at rank 0 or a random lower rank up to that depth, and pushes it out 
 the top-k just after. Whether a path survives into the tree still depends on the
 budget, so the accepted length is whatever the tree holds, and a test can check the
 engine against it.
+
+With ``accept_prob`` p it is a synthetic drafter of set quality instead: each round the true
+token sits at rank 0 of depth 1, 2, ... while independent coin flips of probability p come up
+heads, and is out of the top-k from the first tails on, so P(accepted length >= d) = p**d
+for greedy decoding wherever the tree holds the top-ranked chain (for benchmarking a serving
+policy apart from head quality).
 """
 
 from __future__ import annotations
@@ -27,13 +33,17 @@ class OracleDrafter:
         width: int = 7,
         seed: int = 0,
         top_rank_share: float = 0.93,
+        accept_prob: float | None = None,
     ) -> None:
         """continuation: prompt + the target's greedy tokens (run past EOS and the token limit)."""
+        if accept_prob is not None and not 0.0 <= accept_prob <= 1.0:
+            raise ValueError(f"accept_prob must be within [0, 1], got {accept_prob}")
         self.continuation = continuation
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.width = min(width, len(RANK_LOGITS))
-        self.top_rank_share = top_rank_share
+        self.accept_prob = accept_prob
+        self.top_rank_share = 1.0 if accept_prob is not None else top_rank_share
         self.generator = torch.Generator().manual_seed(seed)
         self.length = 0
         self._lengths: list[int] = []
@@ -59,9 +69,13 @@ class OracleDrafter:
         assert position == self.length, "oracle context out of step with the engine"
         depths = self.block_size - 1
         logits = torch.randn(depths, self.vocab_size, generator=self.generator)
-        if not self._lengths:  # cycle through every length 0..D in a random order
-            self._lengths = torch.randperm(depths + 1, generator=self.generator).tolist()
-        right_until = self._lengths.pop()  # depths 1..right_until hold the true token
+        if self.accept_prob is not None:  # leading heads of coin flips with P(heads) = accept_prob
+            flips = torch.rand(depths, generator=self.generator) < self.accept_prob
+            right_until = int(flips.long().cumprod(0).sum())
+        else:
+            if not self._lengths:  # cycle through every length 0..D in a random order
+                self._lengths = torch.randperm(depths + 1, generator=self.generator).tolist()
+            right_until = self._lengths.pop()  # depths 1..right_until hold the true token
         for depth in range(1, depths + 1):
             index = position + depth
             truth = self.continuation[index] if index < len(self.continuation) else None

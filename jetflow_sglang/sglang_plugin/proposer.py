@@ -11,6 +11,7 @@ does not know are drafted by the head, so one server serves both kinds at once.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -22,6 +23,8 @@ from jetflow_sglang.head import JetFlowHead
 from jetflow_sglang.oracle import OracleDrafter
 
 from .draft_graphs import DraftGraphRunner
+
+ORACLE_ACCEPT_ENV = "JETFLOW_TEST_ORACLE_ACCEPT"  # a float p: the oracle drafts with acceptance p per depth
 
 
 @dataclass
@@ -108,8 +111,12 @@ class OracleProposer:
     head (`fallback`) drafts every other request and keeps its context K/V for all."""
 
     def __init__(self, path: str, fallback: Proposer, vocab_size: int, width: int, seed: int = 0) -> None:
+        """path: JSON list of [prompt ids, greedy continuation]. ``JETFLOW_TEST_ORACLE_ACCEPT=p``
+        makes it a drafter of set quality (`OracleDrafter` accept_prob)."""
         with open(path) as f:
             pairs = json.load(f)
+        accept = os.environ.get(ORACLE_ACCEPT_ENV)
+        self.accept_prob = float(accept) if accept else None
         self.continuations = {tuple(prompt): list(prompt) + list(cont) for prompt, cont in pairs}
         self.fallback = fallback
         self.block_size = fallback.block_size
@@ -136,7 +143,8 @@ class OracleProposer:
             if drafter is None:
                 continuation = self.continuations[tuple(request.prompts[i])]
                 self._created += 1
-                drafter = OracleDrafter(continuation, self.vocab_size, self.block_size, self.width, seed=self.seed + self._created)
+                drafter = OracleDrafter(continuation, self.vocab_size, self.block_size, self.width,
+                                        seed=self.seed + self._created, accept_prob=self.accept_prob)  # fmt: skip
                 self._drafters[rid] = drafter
                 drafter.length = position  # first decode round (or back after a retraction)
             else:

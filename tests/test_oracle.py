@@ -1,0 +1,45 @@
+"""The oracle drafter's synthetic mode (jetflow_sglang/oracle.py, `accept_prob`): a drafter of set
+quality for measuring serving policies apart from head quality. Each round the true token leads
+depth 1, 2, ... while coin flips of probability p come up heads, so the chain a greedy tree walk
+accepts has P(length >= d) = p**d."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jetflow_sglang.oracle import OracleDrafter
+
+VOCAB, BLOCK = 64, 16
+ROUNDS = 3000
+
+
+def accepted_chain(drafter: OracleDrafter, continuation: list[int], position: int) -> int:
+    """Leading depths whose argmax is the true token (what a chain verify would accept)."""
+    drafter.length = position
+    picks = drafter.propose(torch.tensor([continuation[position]]), position)[0].argmax(-1).tolist()
+    length = 0
+    for depth, token in enumerate(picks, start=1):
+        if token != continuation[position + depth]:
+            break
+        length += 1
+    return length
+
+
+@pytest.mark.parametrize("p", [0.6, 0.8])
+def test_accepted_length_is_geometric_in_p(p):
+    gen = torch.Generator().manual_seed(0)
+    continuation = torch.randint(VOCAB, (ROUNDS + 2 * BLOCK,), generator=gen).tolist()
+    drafter = OracleDrafter(continuation, VOCAB, block_size=BLOCK, seed=1, accept_prob=p)
+    lengths = torch.tensor([accepted_chain(drafter, continuation, i) for i in range(ROUNDS)], dtype=torch.float64)
+    depths = BLOCK - 1
+    for d in (1, 2, 4, 8):
+        observed = (lengths >= d).double().mean().item()
+        assert observed == pytest.approx(p**d, abs=4 * (p**d * (1 - p**d) / ROUNDS) ** 0.5 + 1e-3), (d, observed)
+    expected_mean = sum(p**d for d in range(1, depths + 1))
+    assert lengths.mean().item() == pytest.approx(expected_mean, rel=0.06)
+
+
+def test_accept_prob_outside_zero_one_is_refused():
+    with pytest.raises(ValueError, match="accept_prob"):
+        OracleDrafter([1, 2, 3], VOCAB, accept_prob=1.5)
