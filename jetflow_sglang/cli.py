@@ -176,6 +176,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
             print(f"report: {config.out}", flush=True)
 
 
+def cmd_export(args: argparse.Namespace) -> None:
+    from jetflow_sglang.head import JetFlowHead
+    from jetflow_sglang.published import export_head
+
+    out = export_head(JetFlowHead.load(args.head), args.out, args.format)
+    print(f"wrote {args.format} head: {out}", flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jetflow", description="JetFlow speculative decoding for SGLang")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -242,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="RMS-normalize each tapped layer's features before the head's fc (default: on)")
     tr.add_argument("--anchor-fusion", action=argparse.BooleanOptionalAction, default=None,
                     help="fuse the anchor's embedding with the projected features before it, EAGLE-style (default: on)")
+    tr.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=None,
+                    help="per-head q/k RMSNorm, Qwen3-style, as published DFlash heads (default: off)")
+    tr.add_argument("--mask-token-id", type=int, default=None,
+                    help="use this target embedding row as MASK instead of a learned vector (the published layout; "
+                         "with --qk-norm --no-tap-norm --no-anchor-fusion --draft-vocab 0 the head exports to DFlash)")
     tr.add_argument("--depth-sampling", action=argparse.BooleanOptionalAction, default=None,
                     help="with --depth-decay, sample depths instead of weighting them: causal heads run blocks "
                          "truncated at depth L with P(L >= d) = weight, bidirectional ones draw each slot's loss "
@@ -308,6 +321,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default=None, help="write the JSON report here")
     bench.add_argument("--json", action="store_true", help="print the report as one JSON line")
     bench.set_defaults(func=cmd_bench)
+
+    export = sub.add_parser("export", help="write a head in the published DFlash / JetSpec layout (SGLang DFLASH, vLLM)")
+    export.add_argument("head", help="a head directory (ours or already published)")
+    export.add_argument("out", help="new directory to write (must not exist)")
+    export.add_argument("--format", choices=["dflash", "jetspec"], default="dflash",
+                        help="dflash: dflash_config + is_causal; jetspec: also dflash_config.causal_head")
+    export.set_defaults(func=cmd_export)
     return parser
 
 

@@ -4,7 +4,9 @@ context K/V projected from fused target features. One pass gives draft logits fo
 The target's embedding and lm_head are shared and frozen: the head borrows them
 (`bind_target`) and never saves them. The MASK embedding is the head's own
 parameter; `mask_token_id` is a virtual id one past the target vocabulary, so the
-target's vocabulary never grows.
+target's vocabulary never grows. Heads in the published DFlash layout (`published.py`)
+use a target embedding row as MASK instead and Qwen3-style q/k norms; the same class
+runs them.
 
 A head may draft over a pruned vocabulary (FR-Spec style): `draft_vocab` holds the
 target ids of the K most frequent tokens of its training data (saved with the
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from jetflow_sglang import published
 from jetflow_sglang.errors import JetFlowError
 
 ARCHITECTURE = "JetFlowDraftModel"
@@ -61,10 +64,16 @@ class JetFlowConfig:
     draft_vocab_size: int = 0  # 0: draft over the whole target vocabulary; else over `draft_vocab` ids only
     tap_norm: bool = False  # RMS-normalize each tapped layer's features before `fc` (new heads: on)
     anchor_fusion: bool = False  # the anchor slot also reads the projected features of the token before it
+    qk_norm: bool = False  # Qwen3-style per-head RMSNorm of q and k (the context K too), as published DFlash heads
+    mask_from_target: bool = False  # MASK is the target embedding row `mask_token_id` (published heads), not a parameter
 
     def __post_init__(self) -> None:
         if self.mask_token_id < 0:
+            if self.mask_from_target:
+                raise JetFlowError("a head whose MASK is a target embedding row needs mask_token_id")
             self.mask_token_id = self.target_vocab_size
+        if self.mask_from_target and not 0 <= self.mask_token_id < self.target_vocab_size:
+            raise JetFlowError(f"mask_token_id {self.mask_token_id} is not a row of the target's {self.target_vocab_size}-row embedding")
         if self.block_size < 2:
             raise JetFlowError(f"block size must be at least 2, got {self.block_size}")
         if self.num_layers < 1:
@@ -137,10 +146,15 @@ class JetFlowConfig:
 
     @classmethod
     def from_json_dict(cls, data: dict) -> "JetFlowConfig":
-        if "jetflow" not in data:
-            raise JetFlowError("head config.json has no 'jetflow' section: not a JetFlow head")
+        """Our config.json (a `jetflow` section) or a published DFlash / JetSpec one."""
+        if "jetflow" in data:
+            values = data["jetflow"]
+        elif published.is_published_config(data):
+            values = published.config_values(data)
+        else:
+            raise JetFlowError("head config.json has neither a 'jetflow' section nor a DFlash 'dflash_config': not a draft head")
         known = set(cls.__dataclass_fields__)
-        values = {k: v for k, v in data["jetflow"].items() if k in known}
+        values = {k: v for k, v in values.items() if k in known}
         try:
             return cls(**values)
         except TypeError as exc:
@@ -203,6 +217,8 @@ class HeadLayer(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         self.gate_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
@@ -210,7 +226,8 @@ class HeadLayer(nn.Module):
 
     def key_value(self, x: Tensor, positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
         b, t, _ = x.shape
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        k = (k if self.k_norm is None else self.k_norm(k)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         return rotate(k, positions, inv_freq), v
 
@@ -219,7 +236,8 @@ class HeadLayer(nn.Module):
         the attention of q [b, heads, Q, d] over the context and the block keys [b, kv_heads, Q, d]."""
         b, q_len, _ = hidden.shape
         x = self.input_layernorm(hidden)
-        q = rotate(self.q_proj(x).view(b, q_len, self.heads, self.head_dim).transpose(1, 2), positions, inv_freq)
+        q = self.q_proj(x).view(b, q_len, self.heads, self.head_dim)
+        q = rotate((q if self.q_norm is None else self.q_norm(q)).transpose(1, 2), positions, inv_freq)
         block_k, block_v = self.key_value(x, positions, inv_freq)
         attn = attend(q, block_k, block_v)
         hidden = hidden + self.o_proj(attn.transpose(1, 2).reshape(b, q_len, -1))
@@ -246,7 +264,7 @@ class JetFlowHead(nn.Module):
         self.depth_embedding = nn.Parameter(torch.zeros(config.block_size, hidden)) if config.anchor_fusion else None
         self.layers = nn.ModuleList(HeadLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.mask_embedding = nn.Parameter(torch.zeros(hidden))
+        self.mask_embedding = None if config.mask_from_target else nn.Parameter(torch.zeros(hidden))
         inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         if config.draft_vocab_size:
@@ -296,9 +314,12 @@ class JetFlowHead(nn.Module):
         features of the position before the anchor (`project_features`), and each MASK slot
         adds that vector and the embedding of its depth (position - anchor position)."""
         is_mask = block_tokens == self.config.mask_token_id
-        embedded = F.embedding(block_tokens.masked_fill(is_mask, 0), self._target_embedding)
         dtype = self.fc.weight.dtype
-        embedded = torch.where(is_mask[..., None], self.mask_embedding.to(embedded.dtype), embedded).to(dtype)
+        if self.mask_embedding is None:  # MASK is a target row
+            embedded = F.embedding(block_tokens, self._target_embedding).to(dtype)
+        else:
+            embedded = F.embedding(block_tokens.masked_fill(is_mask, 0), self._target_embedding)
+            embedded = torch.where(is_mask[..., None], self.mask_embedding.to(embedded.dtype), embedded).to(dtype)
         if self.anchor_fuse is None:
             return embedded
         if anchor_context is None:
@@ -455,6 +476,8 @@ class JetFlowHead(nn.Module):
             state = load_file(str(weights_path))
         except Exception as exc:  # safetensors raises its own error types for corrupt files
             raise JetFlowError(f"cannot read head weights {weights_path}: {exc}") from None
+        if "jetflow" not in data:
+            state = published.own_state_dict(state)
         try:
             head.load_state_dict(state)
         except RuntimeError as exc:

@@ -334,6 +334,36 @@ def test_triton_kernels_in_the_worker_are_lossless(target_dir, head_dir, cases, 
 
 
 @pytest.mark.slow
+def test_published_dflash_layout_head_serves_unchanged(target_dir, cases, reference, tmp_path):
+    """A head directory in the published DFlash / JetSpec layout (q/k norms, MASK as a target
+    embedding row, `dflash_config`; random weights) passed as --speculative-draft-model-path as
+    it is: the no-spec ids, and each request's rounds and accepted drafts equal the HF reference
+    engine's with the same head."""
+    import torch
+
+    from jetflow_sglang.assets import load_target_and_head
+    from jetflow_sglang.drafter import HeadDrafter
+    from jetflow_sglang.engine import ReferenceEngine
+    from test_published import smollm2_published_head
+
+    head_dir = str(smollm2_published_head(target_dir, tmp_path / "published"))
+    picked = [0, 3, 5, 6]
+    server = sglang_server.start(target_dir, tmp_path / "server.log", *sglang_server.jetflow_args(head_dir, 64))
+    try:
+        outputs = _run_all(server.url, [cases[i] for i in picked], 4)
+    finally:
+        server.stop()
+    target, head = load_target_and_head(target_dir, head_dir, torch.float32)
+    assert head.config.qk_norm and head.config.mask_from_target
+    engine = ReferenceEngine(target, HeadDrafter(head), budget=64, lookup=True)
+    for i, out in zip(picked, outputs):
+        assert out["output_ids"] == reference["output_ids"][i], i
+        local = engine.generate(cases[i]["ids"], cases[i]["max_new_tokens"])
+        meta = out["meta_info"]
+        assert (meta["spec_verify_ct"], meta["spec_num_correct_drafts"]) == (local.rounds, sum(local.accept_lengths)), i
+
+
+@pytest.mark.slow
 def test_lookup_branch_raises_tau_and_switches_off(target_dir, head_dir, cases, reference, tmp_path):
     """The free branch (each request's prompt-lookup continuation merged into its tree) is on by
     default (the servers above run with it); with JETFLOW_LOOKUP=0 the head drafts alone. Both
@@ -568,6 +598,7 @@ def test_bad_head_or_budget_refuses_to_start(target_dir, head_dir, tmp_path):
         ("budget0", head_dir, "0", "between 1 and 512", []),
         ("budget513", head_dir, "513", "between 1 and 512", []),
         ("backend", head_dir, "64", "cannot verify draft trees", ["--attention-backend", "torch_native"]),
+        ("tp2", head_dir, "64", "--tp 2 is not supported yet", ["--tp-size", "2"]),
     ]
     for name, path, budget, needle, extra in runs:
         code, output = sglang_server.run_to_exit(

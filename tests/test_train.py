@@ -76,6 +76,12 @@ def test_train_writes_a_loadable_head_loss_curve_and_shared_feature_cache(data_d
     assert "parts to build" not in capsys.readouterr().out
     assert list(data_dir.glob("features-*")) == caches
     assert JetFlowHead.load(tmp_path / "baseline").config.causal is False
+    # A head in the published layout (q/k norms, a target row as MASK) trains and exports to JetSpec's.
+    assert _train(data_dir, tmp_path / "layout", 1, "--qk-norm", "--mask-token-id", "0", "--no-tap-norm",
+                  "--no-anchor-fusion", "--draft-vocab", "0") == 0  # fmt: skip
+    assert main(["export", str(tmp_path / "layout"), str(tmp_path / "jetspec"), "--format", "jetspec"]) == 0
+    exported = JetFlowHead.load(tmp_path / "jetspec").config
+    assert exported.qk_norm and exported.mask_from_target and exported.mask_token_id == 0 and exported.causal
 
 
 @pytest.mark.slow

@@ -73,6 +73,11 @@ def validate_server_args(server_args) -> None:
     from jetflow_sglang.tree import MAX_BUDGET, max_tree_nodes
 
     head_path = server_args.speculative_draft_model_path
+    if int(getattr(server_args, "tp_size", 1) or 1) > 1:
+        # Under --tp the target's embedding and lm_head are vocab-parallel shards; the head reads
+        # them whole (no cross-rank top-k gather yet), so it would draft from one shard.
+        _fail(f"--tp {server_args.tp_size} is not supported yet: the head drafts with the target's whole "
+              "embedding and lm_head, which tensor parallelism shards; run with --tp 1")  # fmt: skip
     if not head_path:
         _fail("--speculative-draft-model-path (the JetFlow head directory) is required")
     budget = server_args.speculative_num_draft_tokens

@@ -62,6 +62,8 @@ class TrainConfig:
     depth_sampling: bool = True  # with depth_decay: draw slots with probability = weight instead of weighting
     tap_norm: bool = True  # RMS-normalize each tapped layer's features before the head's fc
     anchor_fusion: bool = True  # the anchor slot fuses its embedding with the features before it
+    qk_norm: bool = False  # per-head q/k RMSNorm (Qwen3 attention, as published DFlash heads)
+    mask_token_id: int = -1  # >= 0: MASK is this target embedding row (published layout), not a parameter
     init_from_target: bool = False  # start the head's layers as copies of the target's last layers
     init_head: str = ""  # start from this head's weights (a new schedule and optimizer: continue a finished run)
     checkpoint_every: int = 200
@@ -303,6 +305,7 @@ def train(config: TrainConfig, log=print) -> dict:
     head_config = JetFlowConfig.for_target(
         target.config, num_layers=config.layers, block_size=config.block_size, causal=config.mask == "causal",
         draft_vocab_size=draft_vocab_size, tap_norm=config.tap_norm, anchor_fusion=config.anchor_fusion,
+        qk_norm=config.qk_norm, mask_from_target=config.mask_token_id >= 0, mask_token_id=config.mask_token_id,
     )  # fmt: skip
     if not config.resume and (out / "config.json").exists():
         raise JetFlowError(f"{out} already holds a head; pass --resume or choose another --out")
@@ -483,8 +486,9 @@ def _resume(head: JetFlowHead, optimizer, out: Path, config: TrainConfig) -> tup
         raise JetFlowError(f"nothing to resume in {out}")
     meta = json.loads(meta_path.read_text())
     saved = meta["config"]
-    for key in ("loss", "mask", "block_size", "layers", "target", "draft_vocab", "tap_norm", "anchor_fusion"):
-        if saved.get(key) != getattr(config, key):
+    defaults = TrainConfig()  # checkpoints from before a field existed were trained with its default
+    for key in ("loss", "mask", "block_size", "layers", "target", "draft_vocab", "tap_norm", "anchor_fusion", "qk_norm", "mask_token_id"):
+        if saved.get(key, getattr(defaults, key)) != getattr(config, key):
             raise JetFlowError(f"resume checkpoint in {out} was trained with {key}={saved.get(key)!r}, not {getattr(config, key)!r}")
     state = load_file(str(state_path))
     head.load_state_dict({k[len("head.") :]: v for k, v in state.items() if k.startswith("head.")})
