@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(VENV)/bin/jetflow bench --prompts demo --max-new-tokens 96 --show-text --out out/demo.json
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # Regenerate data, train the JetFlow head and the DFlash-T baseline, evaluate, ship both
 # under jetflow_sglang/heads/ (about 2 hours on 2 CPU cores; rerun to resume).
