@@ -347,10 +347,10 @@ def test_published_dflash_layout_head_serves_unchanged(target_dir, cases, refere
     from test_published import smollm2_published_head
 
     head_dir = str(smollm2_published_head(target_dir, tmp_path / "published"))
-    picked = [0, 3, 5, 6]
+    picked = [0, 3]  # a chat prompt that stops at EOS, a raw completion that runs to the limit
     server = sglang_server.start(target_dir, tmp_path / "server.log", *sglang_server.jetflow_args(head_dir, 64))
     try:
-        outputs = _run_all(server.url, [cases[i] for i in picked], 4)
+        outputs = _run_all(server.url, [cases[i] for i in picked], 2)
     finally:
         server.stop()
     target, head = load_target_and_head(target_dir, head_dir, torch.float32)
