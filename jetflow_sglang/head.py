@@ -74,6 +74,9 @@ class JetFlowConfig:
             self.mask_token_id = self.target_vocab_size
         if self.mask_from_target and not 0 <= self.mask_token_id < self.target_vocab_size:
             raise JetFlowError(f"mask_token_id {self.mask_token_id} is not a row of the target's {self.target_vocab_size}-row embedding")
+        if self.mask_from_target and self.anchor_fusion:
+            # Anchor fusion tells MASK slots from tokens by id; a target row can also be a real token.
+            raise JetFlowError("anchor fusion needs the head's own MASK: drop --mask-token-id or use --no-anchor-fusion")
         if self.block_size < 2:
             raise JetFlowError(f"block size must be at least 2, got {self.block_size}")
         if self.num_layers < 1:

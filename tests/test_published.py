@@ -109,6 +109,13 @@ def test_unsupported_published_configs_fail_clearly(tmp_path, change, message):
         JetFlowHead.load(tmp_path / "h")
 
 
+def test_target_row_mask_refuses_anchor_fusion():
+    with pytest.raises(JetFlowError, match="anchor fusion needs the head's own MASK"):
+        JetFlowConfig(target_hidden_size=HIDDEN, target_vocab_size=VOCAB, target_num_layers=8, target_layer_ids=[1],
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                      anchor_fusion=True, mask_from_target=True, mask_token_id=MASK_ID)  # fmt: skip
+
+
 def test_export_refuses_heads_the_layout_cannot_hold(tmp_path):
     from jetflow_sglang.assets import SHIPPED_HEADS, DEFAULT_TARGET_NAME
 
