@@ -26,6 +26,7 @@ from pathlib import Path
 from jetflow_sglang import server as sglang_server
 from jetflow_sglang.assets import resolve_target
 from jetflow_sglang.head import JetFlowHead
+from jetflow_sglang.published import is_published_config
 from jetflow_sglang.served import BenchConfig, _request, bench_prompts
 
 
@@ -71,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
 
     head = JetFlowHead.load(args.head)  # a clear error for a head that is not loadable
-    if "dflash_config" not in json.loads((Path(args.head) / "config.json").read_text()):
+    if not is_published_config(json.loads((Path(args.head) / "config.json").read_text())):
         parser.error("--head must be in the published DFlash layout (jetflow export writes it)")
     target = str(resolve_target(args.target))
     prompts = bench_prompts(args.prompts, args.limit)

@@ -316,13 +316,12 @@ class JetFlowHead(nn.Module):
         fuse([its embedding; anchor_context]), anchor_context [b, H] being the projected
         features of the position before the anchor (`project_features`), and each MASK slot
         adds that vector and the embedding of its depth (position - anchor position)."""
-        is_mask = block_tokens == self.config.mask_token_id
         dtype = self.fc.weight.dtype
-        if self.mask_embedding is None:  # MASK is a target row
-            embedded = F.embedding(block_tokens, self._target_embedding).to(dtype)
-        else:
-            embedded = F.embedding(block_tokens.masked_fill(is_mask, 0), self._target_embedding)
-            embedded = torch.where(is_mask[..., None], self.mask_embedding.to(embedded.dtype), embedded).to(dtype)
+        if self.mask_embedding is None:  # MASK is a target row (no anchor fusion: see JetFlowConfig)
+            return F.embedding(block_tokens, self._target_embedding).to(dtype)
+        is_mask = block_tokens == self.config.mask_token_id
+        embedded = F.embedding(block_tokens.masked_fill(is_mask, 0), self._target_embedding)
+        embedded = torch.where(is_mask[..., None], self.mask_embedding.to(embedded.dtype), embedded).to(dtype)
         if self.anchor_fuse is None:
             return embedded
         if anchor_context is None:
