@@ -158,6 +158,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         if probe.connect_ex((sglang_server.HOST, args.port)) == 0:
             raise JetFlowError(f"port {args.port} on {sglang_server.HOST} is already in use")
     os.environ[LOOKUP_ENV] = "1" if args.lookup else "0"  # read by the JETFLOW worker in the server
+    if args.adaptive and not args.no_spec:
+        extra.append("--speculative-adaptive")
     code = sglang_server.serve_forever(str(target), extra, args.port, DTYPES[args.dtype], args.max_total_tokens)
     if code not in (0, -15):
         raise JetFlowError(f"sglang server exited with {code}")
@@ -300,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_positive("port"), default=30000, help="port on 127.0.0.1")
     serve.add_argument("--budget", type=int, default=64, help="tree nodes per round (--speculative-num-draft-tokens)")
     serve.add_argument("--no-spec", action="store_true", help="serve the target alone")
+    serve.add_argument("--adaptive", action="store_true",
+                       help="choose each round's tree size by load and draft confidence, --budget being the cap "
+                            "(SGLang's --speculative-adaptive)")
     serve.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
                        help="merge each request's prompt-lookup continuation into its draft tree (default: on)")
     serve.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target dtype")

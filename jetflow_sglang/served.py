@@ -82,7 +82,7 @@ def _request(client, model: str, prompt: Prompt, config: BenchConfig) -> dict:
     }
 
 
-def _last_profile(log: Path) -> Optional[dict]:
+def last_profile(log: Path) -> Optional[dict]:
     lines = [line for line in log.read_text(errors="replace").splitlines() if PROFILE_MARK in line]
     return json.loads(lines[-1].split(PROFILE_MARK, 1)[1]) if lines else None
 
@@ -157,7 +157,7 @@ def run_bench(config: BenchConfig, echo=print) -> dict:
         "all_identical": all(r["identical"] for r in rows),
     }
     report = {"config": asdict(config), "head_dir": head_dir, "summary": summary, "requests": rows,
-              "profile": _last_profile(logs["jetflow"])}  # fmt: skip
+              "profile": last_profile(logs["jetflow"])}  # fmt: skip
     if config.out:
         Path(config.out).parent.mkdir(parents=True, exist_ok=True)
         Path(config.out).write_text(json.dumps(report, indent=2))

@@ -141,11 +141,11 @@ def start(
     return server
 
 
-def run_to_exit(target: str, log: Path, *extra: str, timeout: float = 240) -> tuple[int, str]:
+def run_to_exit(target: str, log: Path, *extra: str, timeout: float = 240, env: Optional[dict] = None) -> tuple[int, str]:
     """Run a launcher expected to refuse to start: (exit code, output). Kills it on timeout."""
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            server_cmd(target, free_port(), *extra), stdout=out, stderr=subprocess.STDOUT, env=_env(None), start_new_session=True
+            server_cmd(target, free_port(), *extra), stdout=out, stderr=subprocess.STDOUT, env=_env(env), start_new_session=True
         )
     try:
         proc.wait(timeout=timeout)

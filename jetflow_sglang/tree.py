@@ -314,3 +314,64 @@ def packed_mask(tree: DraftTree, prefix_lens: Tensor) -> tuple[Tensor, Tensor]:
     budget = tree.budget
     segment_lens = budget * (prefix_lens.to(tree.tokens.device) + budget)
     return pack_bits(full_mask(tree, prefix_lens), segment_lens)
+
+
+def root_only(anchor_tokens: Tensor) -> DraftTree:
+    """A batch of one-node trees (the anchors): verifying it is a plain decode step."""
+    batch = anchor_tokens.shape[0]
+    device = anchor_tokens.device
+    zeros = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    return DraftTree(
+        tokens=anchor_tokens.long()[:, None],
+        parents=zeros - 1,
+        depths=zeros,
+        scores=torch.zeros(batch, 1, device=device),
+        ancestors=torch.ones(batch, 1, 1, dtype=torch.bool, device=device),
+    )
+
+
+def path_scores(tree: DraftTree, values: Tensor | None = None) -> Tensor:
+    """[b, N] each node's value (default: its score) capped by its ancestors' (min along the
+    root path). Head scores never rise along a path, so for a head-only tree this is
+    `tree.scores`; a merged lookup chain node can outscore its parent, and the cap keeps
+    every selection by it a tree."""
+    capped = (tree.scores if values is None else values).clone()
+    for depth in range(1, int(tree.depths.max()) + 1 if tree.depths.numel() else 0):
+        at_depth = tree.depths == depth
+        parent_capped = capped.gather(1, tree.parents.clamp(min=0))
+        capped = torch.where(at_depth, torch.minimum(capped, parent_capped), capped)
+    return capped
+
+
+def prune_order(tree: DraftTree, priority: Tensor | None = None) -> Tensor:
+    """[b, N] node indices best first by `path_scores(tree, priority)`, ties to the shallower then
+    earlier node; the root first. Every prefix of it is a tree (a node's parent comes before it)."""
+    capped = path_scores(tree, priority)
+    capped[:, 0] = float("inf")
+    # Lexicographic (score desc, depth asc, index asc) by stable sorts from the last key up.
+    order = torch.sort(tree.depths, dim=1, stable=True).indices
+    return order.gather(1, torch.sort(capped.gather(1, order), dim=1, descending=True, stable=True).indices)
+
+
+def prune_tree(tree: DraftTree, budget: int, priority: Tensor | None = None) -> DraftTree:
+    """The first `budget` nodes of each tree in `prune_order` (by `priority` [b, N], default the
+    scores): every kept node's parent is kept, nodes stay topological. A head-only tree pruned
+    by its scores to n nodes is the best-first tree of budget n."""
+    check_budget(budget)
+    if budget >= tree.budget:
+        return tree
+    batch, size = tree.tokens.shape
+    device = tree.tokens.device
+    chosen = prune_order(tree, priority)[:, :budget]
+    new_index = torch.full((batch, size), -1, dtype=torch.long, device=device)
+    new_index.scatter_(1, chosen, torch.arange(budget, device=device).expand(batch, -1))
+    old_parents = tree.parents.gather(1, chosen)
+    parents = torch.where(old_parents < 0, old_parents, new_index.gather(1, old_parents.clamp(min=0)))
+    depths = tree.depths.gather(1, chosen)
+    return DraftTree(
+        tokens=tree.tokens.gather(1, chosen),
+        parents=parents,
+        depths=depths,
+        scores=tree.scores.gather(1, chosen),
+        ancestors=ancestor_mask(parents, int(depths.max())),
+    )

@@ -3,8 +3,9 @@
 * A no-spec server gives the reference greedy token ids for 16 prompts (chat prompts
   that stop at EOS, raw completions that run to the token limit), and each prompt's
   continuation run past EOS for the oracle.
-* JETFLOW servers at budgets 16, 64 and 256 (each started once) must return the same
-  token ids at concurrency 1 and 8. Half of the prompts are drafted by the shipped
+* JETFLOW servers at budgets 16, 64 and 256 (each started once; 64 as the cap of the adaptive
+  tree budget, whose verify width changes round by round) must return the same token ids at
+  concurrency 1 and 8. Half of the prompts are drafted by the shipped
   head with the prompt-lookup free branch (short accepted paths), the other half by
   the test oracle (`JETFLOW_TEST_ORACLE`), which puts the true continuation at random
   ranks of each depth's top-k: long accepted paths, KV compaction over long paths, EOS
@@ -18,7 +19,7 @@
 * Grammars (regex, JSON schema, EBNF) and a frontend program with regex, JSON-schema and
   `choices` gens equal the no-spec server's, in batches mixed with penalized, sampled and
   plain requests; sampling with top-k, top-p and min-p follows SGLang's own law.
-* Bad heads and budgets: the launcher exits non-zero with a message naming the problem.
+* Bad heads, budgets and cost tables: the launcher exits non-zero with a message naming the problem.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import pytest
 pytest.importorskip("sglang")
 
 from jetflow_sglang import server as sglang_server  # noqa: E402
+from jetflow_sglang.served import last_profile  # noqa: E402
 
 RANDOM_PROMPTS = [
     ("Say hello in one word.", True),
@@ -56,6 +58,7 @@ ORACLE_PROMPTS = [
     ("What is the boiling point of water?", True),
 ]
 BUDGETS = [16, 64, 256]
+ADAPTIVE_CAP = 64
 REPETITIVE = "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday, Monday, Tuesday, Wednesday, Thursday,"
 ORACLE_EXTRA = 24  # oracle continuations run this far past each request's token limit
 
@@ -265,16 +268,20 @@ def reference(target_dir, cases, penalized_cases, grammar_cases, tmp_path_factor
 
 @pytest.fixture(scope="module", params=BUDGETS, ids=[f"budget{b}" for b in BUDGETS])
 def jetflow_server(request, target_dir, head_dir, reference, tmp_path_factory):
+    """Budgets 16 and 256 static; 64 as the cap of the adaptive budget (`--speculative-adaptive`),
+    which verifies a different tree size round by round: every test below runs on both kinds."""
     budget = request.param
+    adaptive = budget == ADAPTIVE_CAP
     log = tmp_path_factory.mktemp(f"jetflow_{budget}") / "server.log"
     server = sglang_server.start(
         target_dir, log,
         "--speculative-algorithm", "JETFLOW",
         "--speculative-draft-model-path", head_dir,
         "--speculative-num-draft-tokens", str(budget),
-        env={"JETFLOW_TEST_ORACLE": reference["oracle_file"]},
+        *(["--speculative-adaptive"] if adaptive else []),
+        env={"JETFLOW_TEST_ORACLE": reference["oracle_file"], "JETFLOW_PROFILE": "1"},
     )  # fmt: skip
-    server.budget = budget
+    server.budget, server.adaptive, server.log = budget, adaptive, log
     try:
         yield server
     finally:
@@ -307,6 +314,13 @@ def test_greedy_token_ids_equal_no_spec_server(jetflow_server, cases, reference,
         if c["oracle"]
     ]
     print(f"budget {jetflow_server.budget} concurrency {concurrency}: oracle tau {sum(oracle_taus) / len(oracle_taus):.2f}")
+    budget_report = last_profile(jetflow_server.log)["tree_sizes"]
+    print(f"tree sizes chosen (rounds): {budget_report['chosen']}")
+    sizes = {int(n) for n in budget_report["chosen"]}
+    if jetflow_server.adaptive:
+        assert len(sizes) >= 3 and max(sizes) <= ADAPTIVE_CAP, budget_report  # sizes vary round by round
+    else:
+        assert sizes == {jetflow_server.budget}, budget_report
 
 
 @pytest.mark.slow
@@ -592,17 +606,20 @@ def _bad_heads(head_dir: str, root: Path) -> dict[str, tuple[str, str]]:
 
 @pytest.mark.slow
 def test_bad_head_or_budget_refuses_to_start(target_dir, head_dir, tmp_path):
+    broken_table = tmp_path / "cost.json"
+    broken_table.write_text('{"verify_ms": {"4": -1}}')
     runs = [
-        (name, path, "64", needle, []) for name, (path, needle) in _bad_heads(head_dir, tmp_path).items()
+        (name, path, "64", needle, [], None) for name, (path, needle) in _bad_heads(head_dir, tmp_path).items()
     ] + [
-        ("budget0", head_dir, "0", "between 1 and 512", []),
-        ("budget513", head_dir, "513", "between 1 and 512", []),
-        ("backend", head_dir, "64", "cannot verify draft trees", ["--attention-backend", "torch_native"]),
-        ("tp2", head_dir, "64", "--tp 2 is not supported yet", ["--tp-size", "2"]),
-    ]
-    for name, path, budget, needle, extra in runs:
+        ("budget0", head_dir, "0", "between 1 and 512", [], None),
+        ("budget513", head_dir, "513", "between 1 and 512", [], None),
+        ("backend", head_dir, "64", "cannot verify draft trees", ["--attention-backend", "torch_native"], None),
+        ("tp2", head_dir, "64", "--tp 2 is not supported yet", ["--tp-size", "2"], None),
+        ("cost_table", head_dir, "64", "times > 0", ["--speculative-adaptive"], {"JETFLOW_COST_TABLE": str(broken_table)}),
+    ]  # fmt: skip
+    for name, path, budget, needle, extra, env in runs:
         code, output = sglang_server.run_to_exit(
-            target_dir, tmp_path / f"{name}.log", *sglang_server.jetflow_args(path, int(budget)), *extra
+            target_dir, tmp_path / f"{name}.log", *sglang_server.jetflow_args(path, int(budget)), *extra, env=env
         )
         assert code not in (0, -1), f"{name}: server did not refuse (exit {code})"
         assert "JETFLOW" in output and needle in output, f"{name}: {output[-1500:]}"

@@ -21,6 +21,8 @@ from jetflow_sglang.tree import (
     merge_chain,
     pack_bits,
     packed_mask,
+    path_scores,
+    prune_tree,
     refreshed_tree,
 )
 
@@ -694,3 +696,89 @@ def test_merge_chain_hand_made():
     assert merge_chain(root_only, torch.tensor([2, 0]), 0.0) is root_only
     with pytest.raises(ValueError):
         merge_chain(build_tree(torch.tensor([9, 9]), probs.log().expand(2, -1, -1), 4, width=3), torch.tensor([1]), 0.0)
+
+
+# --------------------------------------------------------------------------- pruning (adaptive budget)
+
+
+def _row(tree: DraftTree, b: int) -> DraftTree:
+    return DraftTree(*(getattr(tree, f)[b : b + 1] for f in ("tokens", "parents", "depths", "scores", "ancestors")))
+
+
+@SETTINGS
+@given(tree_inputs(), st.data())
+def test_prune_head_tree_is_the_smaller_best_first_tree(inputs, data):
+    """A head tree pruned to n nodes holds the same token paths as the tree built at budget n."""
+    anchors, logprobs, budget, width = inputs
+    tree = build_tree(anchors, logprobs, budget, width)
+    n = data.draw(st.integers(1, budget))
+    pruned = prune_tree(tree, n)
+    small = build_tree(anchors, logprobs, n, width)
+    assert torch.equal(path_scores(tree), tree.scores)  # head scores never rise along a path
+    for b in range(tree.tokens.shape[0]):
+        check_merged_structure(_row(pruned, b), n)
+        assert set(token_paths(pruned, b)) <= set(token_paths(tree, b))
+        np.testing.assert_allclose(sorted(pruned.scores[b].tolist()), sorted(small.scores[b].tolist()), atol=TOL)
+        ranked = sorted(tree.scores[b, 1:].tolist(), reverse=True)
+        if n == 1 or n == budget or ranked[n - 2] - ranked[n - 1] > 1e-4:  # no tie at the cut: same set
+            assert set(token_paths(pruned, b)) == set(token_paths(small, b))
+
+
+@SETTINGS
+@given(merge_inputs(), st.data())
+def test_prune_merged_tree_keeps_ancestors_and_best_capped_scores(inputs, data):
+    """After a lookup merge (chain nodes may outscore their parents) every pruned tree is still a
+    tree: closed under ancestors, topological, and it keeps the n best nodes by capped score."""
+    tree, chain, chain_logprob, budget = inputs
+    merged = merge_chain(tree, torch.tensor(chain), chain_logprob)
+    n = data.draw(st.integers(1, budget))
+    pruned = prune_tree(merged, n)
+    check_merged_structure(pruned, n)
+    paths = token_paths(merged, 0)
+    kept = set(token_paths(pruned, 0))
+    assert kept <= set(paths)
+    assert all(p[:-1] in kept for p in kept if p)  # every kept node's parent is kept
+    capped = path_scores(merged)[0].tolist()
+    assert all(capped[i] <= capped[p] + 0.0 for i, p in enumerate(merged.parents[0].tolist()) if p >= 0)
+    kept_scores = sorted((c for c, p in zip(capped[1:], paths[1:]) if p in kept), reverse=True)
+    dropped = [c for c, p in zip(capped[1:], paths[1:]) if p not in kept]
+    assert not dropped or not kept_scores or min(kept_scores) >= max(dropped)
+
+
+def test_prune_hand_made_chain_beats_its_parent():
+    """A lookup node scored above its parent is capped at the parent's score, so pruning to 3
+    keeps root, parent and that child, not the head's second-best depth-1 sibling alone."""
+    tree = DraftTree(
+        tokens=torch.tensor([[5, 1, 2, 3]]),
+        parents=torch.tensor([[-1, 0, 0, 1]]),
+        depths=torch.tensor([[0, 1, 1, 2]]),
+        scores=torch.tensor([[0.0, -0.5, -0.75, -0.25]]),
+        ancestors=ancestor_mask(torch.tensor([[-1, 0, 0, 1]]), 2),
+    )
+    assert path_scores(tree).tolist() == [[0.0, -0.5, -0.75, -0.5]]
+    pruned = prune_tree(tree, 3)
+    assert pruned.tokens.tolist() == [[5, 1, 3]] and pruned.parents.tolist() == [[-1, 0, 1]]
+    assert prune_tree(tree, 4) is tree
+    assert prune_tree(tree, 1).tokens.tolist() == [[5]]
+    with pytest.raises(ValueError, match="between 1 and"):
+        prune_tree(tree, 0)
+
+
+@SETTINGS
+@given(merge_inputs(), st.data())
+def test_prune_by_any_priority_is_a_tree_of_the_best_capped_nodes(inputs, data):
+    """The adaptive budget prunes by calibrated probabilities, in any order relative to the
+    scores: the kept nodes are still a topological tree holding the best capped priorities."""
+    tree, chain, chain_logprob, budget = inputs
+    merged = merge_chain(tree, torch.tensor(chain), chain_logprob)
+    seed = data.draw(st.integers(0, 2**16))
+    priority = torch.rand(merged.scores.shape, generator=torch.Generator().manual_seed(seed))
+    n = data.draw(st.integers(1, budget))
+    pruned = prune_tree(merged, n, priority)
+    check_merged_structure(pruned, n)
+    kept = set(token_paths(pruned, 0))
+    paths = token_paths(merged, 0)
+    capped = path_scores(merged, priority)[0].tolist()
+    kept_values = [c for c, p in zip(capped[1:], paths[1:]) if p in kept]
+    dropped = [c for c, p in zip(capped[1:], paths[1:]) if p not in kept]
+    assert not dropped or not kept_values or min(kept_values) >= max(dropped)

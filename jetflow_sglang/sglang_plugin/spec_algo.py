@@ -9,7 +9,8 @@ model loads, with one message naming the problem.
 
 Flags are SGLang's own: ``--speculative-draft-model-path`` (the head directory),
 ``--speculative-num-draft-tokens`` (tree budget N, root included, 1..512),
-``--speculative-eagle-topk`` (tree width, default 7). The head's config.json
+``--speculative-eagle-topk`` (tree width, default 7), ``--speculative-adaptive`` (JETFLOW's
+load-aware tree size per round, the budget being its cap). The head's config.json
 carries the block size and the target tap layers. Unless ``--max-running-requests`` is
 given, it becomes ``VERIFY_TOKENS_PER_BATCH // budget`` (128 at budget 16, 8 at 256), so the
 verify graphs and buffers stay the same size whatever the budget. The attention backend must
@@ -19,6 +20,7 @@ apply the tree mask in TARGET_VERIFY (``TREE_MASK_BACKENDS``); FlashInfer is the
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -117,6 +119,7 @@ def validate_server_args(server_args) -> None:
     if server_args.speculative_num_steps is None:
         server_args.speculative_num_steps = depths
     _check_attention_backends(server_args)
+    _resolve_budget_policy(server_args)
     if server_args.max_running_requests is None:
         server_args.max_running_requests = max(1, VERIFY_TOKENS_PER_BATCH // int(budget))
     if getattr(server_args, "pp_size", 1) > 1:
@@ -125,6 +128,26 @@ def validate_server_args(server_args) -> None:
         _fail("DP attention is not supported")
     if getattr(server_args, "disaggregation_mode", "null") not in (None, "null"):
         _fail("prefill/decode disaggregation is not supported")
+
+
+def _resolve_budget_policy(server_args) -> None:
+    """``--speculative-adaptive`` (SGLang's flag; its own adaptive runtime serves EAGLE chains
+    only) selects JETFLOW's load-aware tree budget, ``jetflow_sglang.budget``: the scheduler
+    processes read it from ``JETFLOW_BUDGET``, which the launcher's environment passes on."""
+    from jetflow_sglang.budget import BUDGET_ENV, COST_TABLE_ENV, POLICIES, CostTable
+
+    if getattr(server_args, "speculative_adaptive", False):
+        os.environ[BUDGET_ENV] = "adaptive"
+        server_args.speculative_adaptive = False  # SGLang's EAGLE adaptive runtime stays off
+    policy = os.environ.get(BUDGET_ENV, "static")
+    if policy not in POLICIES:
+        _fail(f"{BUDGET_ENV} must be one of {', '.join(POLICIES)}, got {policy!r}")
+    table = os.environ.get(COST_TABLE_ENV)
+    if table:
+        try:
+            CostTable.load(table)
+        except ValueError as exc:
+            _fail(str(exc))
 
 
 def _check_attention_backends(server_args) -> None:

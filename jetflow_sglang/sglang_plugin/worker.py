@@ -42,7 +42,9 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.eagle_utils import eagle_prepare_for_verify
 
 from jetflow_kernels import backend_name, build_tree_from_topk, tree_masks
+from jetflow_sglang.budget import policy_from_env
 from jetflow_sglang.head import JetFlowHead
+from jetflow_sglang.tree import DraftTree, prune_tree, root_only
 
 from .committed_ids import CommittedIds
 from .feature_dump import FeatureDump
@@ -87,6 +89,7 @@ class JetFlowWorker(BaseSpecWorker):
         model.set_dflash_layers_to_capture(list(head.config.target_layer_ids))
         self.proposer: Optional[Proposer] = None
         self.lookup = LookupBranch(self.depths) if lookup_enabled() else None
+        self.budget_policy = policy_from_env(self.budget, self.device)  # static: always the cap
         self.committed_ids = CommittedIds()  # token ids with KV per request (overlap: req.output_ids lags)
         self.profile = os.environ.get(PROFILE_ENV, "") == "1"
         self.feature_dump = FeatureDump.from_env()  # tests: captured taps against HF's
@@ -127,6 +130,10 @@ class JetFlowWorker(BaseSpecWorker):
         verify_graphs = getattr(self.model_runner, "decode_cuda_graph_runner", None)
         if verify_graphs is not None and torch.device(self.device).type == "cuda":
             self.head_proposer.use_graphs(verify_graphs.capture_bs, "graph")
+            if self.budget_policy.measuring:  # verify graphs hold one width: the cap
+                logger.warning("JETFLOW: adaptive tree budget off under CUDA graphs (captured at the cap only); "
+                               "--cuda-graph-backend-decode disabled turns it on")  # fmt: skip
+                self.budget_policy.mode = "static"
         elif os.environ.get(DRAFT_PADDING_ENV) == "1":
             logger.warning("JETFLOW: draft pass padded to batch sizes %s without capture (test)", TEST_DRAFT_BATCH_SIZES)
             self.head_proposer.use_graphs(TEST_DRAFT_BATCH_SIZES, "padded")
@@ -214,10 +221,21 @@ class JetFlowWorker(BaseSpecWorker):
             self.timings[name] += now - start
         return now
 
+    def _draft_tree(self, request: DraftRequest, reqs: list, t: float) -> tuple[DraftTree, float]:
+        """Draft pass -> best-first tree at the cap -> free branch -> this round's size."""
+        logits = self.proposer.propose(request)
+        t = self._tick("draft", t)
+        topk_logprobs, topk_tokens = logits.float().log_softmax(-1).topk(min(self.width, logits.shape[-1]), dim=-1)
+        tree = build_tree_from_topk(request.anchors, topk_logprobs, topk_tokens, self.budget)
+        if self.lookup is not None:
+            tree = self.lookup.merge(tree, reqs, request.seq_lens, request.anchors, self.committed_ids)
+        size, priority = self.budget_policy.choose(tree)
+        return prune_tree(tree, size, priority), t
+
     @torch.inference_mode()
     def _decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
-        t = time.perf_counter()
-        bs, budget = len(batch.reqs), self.budget
+        t = round_start = self.budget_policy.clock()
+        bs = len(batch.reqs)
         seq_lens = batch.seq_lens.to(torch.int64)
         anchors = batch.spec_info.bonus_tokens.to(torch.int64)
         request = DraftRequest(
@@ -227,14 +245,11 @@ class JetFlowWorker(BaseSpecWorker):
             prompts=[req.origin_input_ids for req in batch.reqs],
             rids=[req.rid for req in batch.reqs],
         )
-        logits = self.proposer.propose(request)
-        t = self._tick("draft", t)
-
-        topk_logprobs, topk_tokens = logits.float().log_softmax(-1).topk(min(self.width, logits.shape[-1]), dim=-1)
-        tree = build_tree_from_topk(anchors, topk_logprobs, topk_tokens, budget)
         self.committed_ids.keep_only(batch.reqs)
-        if self.lookup is not None:
-            tree = self.lookup.merge(tree, batch.reqs, seq_lens, anchors, self.committed_ids)
+        drafted = not self.budget_policy.skip_draft(bs)  # adaptive: the root alone, no draft pass
+        tree, t = self._draft_tree(request, batch.reqs, t) if drafted else (root_only(anchors), t)
+        budget = tree.budget  # this round's verify width (adaptive: up to the cap)
+        draft_seconds = self.budget_policy.clock() - round_start if drafted else None
         masks = tree_masks(tree.parents, tree.depths, seq_lens, packed=False)
         spec_input = verify_input(
             masks.full_mask, budget, self.depths, self.width,
@@ -243,6 +258,7 @@ class JetFlowWorker(BaseSpecWorker):
         t = self._tick("tree", t)
 
         batch.spec_info = spec_input
+        verify_start = self.budget_policy.clock()
         verify_batch, _ = eagle_prepare_for_verify(spec_input, self.req_to_token_pool, batch, self.target_worker)
         target = self.target_worker.forward_batch_generation(batch=None, forward_batch=verify_batch, is_verify=True)
         logits_output: LogitsProcessorOutput = target.logits_output
@@ -251,6 +267,7 @@ class JetFlowWorker(BaseSpecWorker):
         verify_logits = logits_output.next_token_logits.view(bs, budget, -1)
         acceptance = accept_round(tree, verify_logits, batch, seq_lens, anchors, self.committed_ids, self.depths)
         accept_lens = (acceptance.num_accepted + 1).to(torch.int32)
+        self.budget_policy.observe(tree, acceptance.path, self.budget_policy.clock() - verify_start, draft_seconds)
         new_seq_lens = seq_lens + accept_lens
         if on_publish is not None:
             on_publish(new_seq_lens)
@@ -278,7 +295,7 @@ class JetFlowWorker(BaseSpecWorker):
         if batch.return_logprob:  # per request, its committed tokens' log-probs (SGLang slices accept_lens)
             logits = logits_output.next_token_logits.view(bs, budget, -1)
             logits_output.next_token_logprobs = committed_logprobs(logits, path, committed)
-        next_token_ids = torch.zeros((bs, budget), dtype=torch.int64, device=self.device)
+        next_token_ids = torch.zeros((bs, self.budget), dtype=torch.int64, device=self.device)  # stride: the cap
         next_token_ids[:, :span] = committed.clamp(min=0)
         batch.forward_mode = ForwardMode.DECODE
         self._tick("bookkeeping", t)
@@ -287,7 +304,8 @@ class JetFlowWorker(BaseSpecWorker):
             total = sum(self.timings.values())
             report = {
                 "rounds": self.rounds,
-                "budget": budget,
+                "budget": self.budget,
+                "tree_sizes": self.budget_policy.report(),
                 "ms_per_round": {k: round(1000 * v / self.rounds, 2) for k, v in self.timings.items()},
                 "share": {k: round(v / total, 4) for k, v in self.timings.items()},
             }
@@ -299,7 +317,7 @@ class JetFlowWorker(BaseSpecWorker):
             new_seq_lens=new_seq_lens,
             next_draft_input=make_draft_input_v2(bonus_tokens=acceptance.bonus, new_seq_lens=new_seq_lens),
             can_run_cuda_graph=target.can_run_cuda_graph,
-            speculative_num_draft_tokens=budget,
+            speculative_num_draft_tokens=self.budget,
         )
 
 

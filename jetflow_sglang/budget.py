@@ -1,0 +1,298 @@
+"""Load-aware tree budget: each round, the tree size that maximizes expected committed tokens
+per second for the whole batch.
+
+The verify shape is one size n for every request of a round (SGLang's tree verify is
+``[bs, n]``). For each candidate n on a ladder (1, 2, 4, ... up to the cap):
+
+    rate(n) = sum over requests of E_b(n)  /  (draft seconds(bs) + verify seconds(bs * n))
+
+E_b(n) is 1 (the bonus token) plus the expected accepted drafts of the likeliest n nodes: the
+sum of each node's probability of being on the accepted path, read from its path score and
+depth through a calibration of the acceptance observed so far (a head's probabilities are not
+calibrated; a prompt-lookup chain node's score is a fixed guess), capped by its ancestors' so
+the n nodes form a tree (`tree.prune_tree`). Costs come from a table of measured rounds
+(`CostTable`): verify seconds by verify tokens, draft seconds by batch size, read through a
+non-decreasing fit, linear between and past the measured sizes; until two sizes are measured
+twice each, the ladder is measured smallest first. A table measured beforehand
+(`benchmarks/verify_cost.py`) can seed it; every round updates it (EMA). Under load bs * n
+grows and small trees win. When even the best drafted round commits fewer tokens per second
+than a plain step would (EMA per batch size), the next rounds skip the draft pass and verify
+the root alone, drafting every `PROBE_EVERY`-th round to see whether that changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from jetflow_sglang.tree import DraftTree, path_scores, prune_order
+
+POLICIES = ("static", "adaptive", "sweep")  # sweep: every ladder size in turn (benchmarks/verify_cost.py)
+BUDGET_ENV = "JETFLOW_BUDGET"
+COST_TABLE_ENV = "JETFLOW_COST_TABLE"
+# Calibration bins over a node's path log-prob (upper edges; the last bin ends at 0).
+SCORE_EDGES = (-9.0, -7.0, -6.0, -5.0, -4.0, -3.5, -3.0, -2.5, -2.0, -1.6, -1.2, -0.9, -0.6, -0.3, 0.0)
+PRIOR_NODES = 8.0  # pseudo-observations at the level above, per bin or cell
+CALIBRATION_DEPTHS = 8  # depth cells 0..7 (deeper nodes share the last)
+EMA = 0.2
+MIN_SAMPLES = 2  # rounds at a size before the cost table trusts it (a loaded table counts as this)
+MAX_WEIGHT = 20  # samples weighing a size in the monotone fit (recent EMA values stay live)
+PROBE_EVERY = 8  # while drafting does not pay, every 8th round drafts anyway to see if that changed
+VALUE_EMA = 0.3
+
+
+def budget_ladder(cap: int) -> list[int]:
+    """Candidate tree sizes: powers of two below the cap, and the cap."""
+    sizes, n = [], 1
+    while n < cap:
+        sizes.append(n)
+        n *= 2
+    return sizes + [cap]
+
+
+@dataclass
+class Curve:
+    """Measured seconds by size (EMA per size), read through a non-decreasing fit
+    (pool-adjacent-violators, weighted by samples) so one noisy round cannot make a bigger size
+    look cheaper than a smaller one; linear between and past the measured sizes."""
+
+    seconds_at: dict[int, float] = field(default_factory=dict)
+    samples: dict[int, int] = field(default_factory=dict)  # a size loaded from a file counts as trusted
+
+    def trusted(self) -> list[int]:
+        return [m for m in self.seconds_at if self.samples.get(m, MIN_SAMPLES) >= MIN_SAMPLES]
+
+    def known(self, size: int) -> bool:
+        """Inside the measured range, each end measured at least `MIN_SAMPLES` times."""
+        measured = self.trusted()
+        return bool(measured) and min(measured) <= size <= max(measured)
+
+    def _fit(self) -> tuple[list[int], list[float]]:
+        points = sorted(self.seconds_at)
+        blocks: list[list[float]] = []  # [value, weight, points in block]
+        for m in points:
+            blocks.append([self.seconds_at[m], float(min(self.samples.get(m, MIN_SAMPLES), MAX_WEIGHT)), 1])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                (v1, w1, n1), (v2, w2, n2) = blocks[-2], blocks.pop()
+                blocks[-1] = [(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
+        return points, [v for v, _, n in blocks for _ in range(int(n))]
+
+    def seconds(self, size: int) -> float:
+        points, values = self._fit()
+        if not points:
+            raise ValueError("nothing measured yet")
+        i = bisect_left(points, size)
+        if i < len(points) and points[i] == size:
+            return values[i]
+        if len(points) == 1:
+            return values[0]
+        i = min(max(i, 1), len(points) - 1)  # the segment around it, or the nearest end segment
+        lo, hi = i - 1, i
+        slope = (values[hi] - values[lo]) / (points[hi] - points[lo])
+        return max(values[lo] + slope * (size - points[lo]), values[0])
+
+    def observe(self, size: int, seconds: float) -> None:
+        old = self.seconds_at.get(size)
+        self.seconds_at[size] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        self.samples[size] = self.samples.get(size, 0) + 1
+
+    def to_ms(self) -> dict[str, float]:
+        return {str(k): round(v * 1e3, 4) for k, v in sorted(self.seconds_at.items())}
+
+    @classmethod
+    def from_ms(cls, data: dict, what: str) -> "Curve":
+        seconds = {int(k): float(v) / 1e3 for k, v in data.items()}
+        if any(k < 1 or not v > 0 for k, v in seconds.items()):
+            raise ValueError(f"cost table: {what} must be >= 1 and times > 0")
+        return cls(seconds)
+
+
+@dataclass
+class CostTable:
+    """What a round costs: the verify (tree verify + acceptance) by verify tokens (bs * n), and
+    the draft pass (head, tree build, free branch) by batch size."""
+
+    verify: Curve = field(default_factory=Curve)
+    draft: Curve = field(default_factory=Curve)
+
+    def to_json(self) -> dict:
+        return {"verify_ms": self.verify.to_ms(), "draft_ms": self.draft.to_ms()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CostTable":
+        try:
+            return cls(Curve.from_ms(data["verify_ms"], "verify tokens"), Curve.from_ms(data.get("draft_ms") or {}, "batch sizes"))
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"cost table needs {{'verify_ms': {{tokens: ms}}, 'draft_ms': {{batch: ms}}}}: {exc!r}") from None
+        except ValueError as exc:
+            if "cost table" in str(exc):
+                raise
+            raise ValueError(f"cost table: sizes must be integers and times numbers: {exc}") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "CostTable":
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read cost table {path}: {exc}") from None
+        return cls.from_json(data)
+
+
+class AcceptanceCalibration:
+    """Observed share of verified nodes on the accepted path, per path-score bin and per (score
+    bin, depth): a prompt-lookup chain node deep in its chain is accepted far more often than a
+    head node of the same score. Each level is shrunk toward the one above it (depth cell ->
+    score bin -> the score's own probability) where it has few observations."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.edges = torch.tensor(SCORE_EDGES, device=device)
+        self.bins = len(SCORE_EDGES) + 1
+        cells = self.bins * CALIBRATION_DEPTHS
+        zeros = lambda n: torch.zeros(n, dtype=torch.float64, device=device)  # noqa: E731
+        self.bin_nodes, self.bin_accepted = zeros(self.bins), zeros(self.bins)
+        self.cell_nodes, self.cell_accepted = zeros(cells), zeros(cells)
+
+    def _index(self, scores: Tensor, depths: Tensor) -> tuple[Tensor, Tensor]:
+        bins = torch.bucketize(scores.float().clamp(max=0.0), self.edges)
+        return bins, bins * CALIBRATION_DEPTHS + depths.clamp(max=CALIBRATION_DEPTHS - 1)
+
+    def probabilities(self, scores: Tensor, depths: Tensor) -> Tensor:
+        """Calibrated probability that each node (path score, depth) is on the accepted path."""
+        bins, cells = self._index(scores, depths)
+        own = scores.float().clamp(max=0.0).exp().double()
+        bin_rate = (self.bin_accepted[bins] + PRIOR_NODES * own) / (self.bin_nodes[bins] + PRIOR_NODES)
+        rate = (self.cell_accepted[cells] + PRIOR_NODES * bin_rate) / (self.cell_nodes[cells] + PRIOR_NODES)
+        return rate.float()
+
+    def observe(self, scores: Tensor, depths: Tensor, on_path: Tensor) -> None:
+        """scores, depths: [m] path scores and depths of verified non-root nodes; on_path: [m] bool."""
+        bins, cells = self._index(scores, depths)
+        hits = on_path.double()
+        self.bin_nodes += torch.bincount(bins, minlength=self.bins).double()
+        self.bin_accepted += torch.bincount(bins, weights=hits, minlength=self.bins)
+        self.cell_nodes += torch.bincount(cells, minlength=self.cell_nodes.numel()).double()
+        self.cell_accepted += torch.bincount(cells, weights=hits, minlength=self.cell_nodes.numel())
+
+
+class BudgetPolicy:
+    """Chooses each round's tree size (see the module doc); `static` always takes the cap."""
+
+    def __init__(self, cap: int, mode: str = "static", cost: CostTable | None = None, device: torch.device | str = "cpu") -> None:
+        if mode not in POLICIES:
+            raise ValueError(f"budget policy must be one of {', '.join(POLICIES)}, got {mode!r}")
+        self.cap, self.mode, self.device = cap, mode, torch.device(device)
+        self.ladder = budget_ladder(cap)
+        self.cost = cost or CostTable()
+        self.calibration = AcceptanceCalibration(device)
+        self.chosen: dict[int, int] = {}  # tree size -> rounds (for reports and tests)
+        self.draft_value: dict[int, float] = {}  # batch size -> EMA of (best drafted rate / plain step rate)
+        self.undrafted: dict[int, int] = {}  # batch size -> rounds verified without a draft since
+        self.skipped_drafts = 0
+
+    @property
+    def adaptive(self) -> bool:
+        return self.mode == "adaptive"
+
+    @property
+    def measuring(self) -> bool:
+        return self.mode != "static"
+
+    def node_probabilities(self, tree: DraftTree) -> Tensor:
+        """[b, N] calibrated probability that each node is on the accepted path (root 1), capped
+        by its ancestors' (a node is never likelier than its parent)."""
+        probs = self.calibration.probabilities(path_scores(tree), tree.depths)
+        probs[:, 0] = 1.0
+        return path_scores(tree, probs)
+
+    def expected_commits(self, tree: DraftTree, probs: Tensor | None = None) -> Tensor:
+        """[N] expected committed tokens of the whole batch when the likeliest n nodes are
+        verified (`prune_tree` by `node_probabilities`), for n = 1..N (index n - 1)."""
+        probs = self.node_probabilities(tree) if probs is None else probs
+        ordered = probs.gather(1, prune_order(tree, probs))
+        return ordered.cumsum(1).sum(0)
+
+    def skip_draft(self, batch: int) -> bool:
+        """True when drafting has lately not paid at this batch size (the best drafted round
+        committed fewer tokens per second than a plain step would, EMA over drafted rounds) and
+        no probe is due: the round then verifies the root alone, with no draft pass."""
+        if not self.adaptive or self.draft_value.get(batch, 1.0) >= 1.0:
+            return False
+        if self.undrafted.get(batch, 0) >= PROBE_EVERY - 1:
+            self.undrafted[batch] = 0
+            return False
+        self.undrafted[batch] = self.undrafted.get(batch, 0) + 1
+        self.skipped_drafts += 1
+        self.chosen[1] = self.chosen.get(1, 0) + 1
+        return True
+
+    def choose(self, tree: DraftTree) -> tuple[int, Tensor | None]:
+        """This round's tree size, and the node priority to prune the tree to it by (None: the
+        tree's own scores)."""
+        if self.mode == "static":
+            size, probs = self.cap, None
+        elif self.mode == "sweep":
+            ladder = [n for n in self.ladder if n <= tree.budget]
+            size, probs = ladder[sum(self.chosen.values()) % len(ladder)], None
+        else:
+            probs = self.node_probabilities(tree)
+            size = self._best_size(tree, probs)
+        self.chosen[size] = self.chosen.get(size, 0) + 1
+        return size, probs
+
+    def _best_size(self, tree: DraftTree, probs: Tensor) -> int:
+        batch = tree.tokens.shape[0]
+        candidates = [n for n in self.ladder if n <= tree.budget]
+        verify = self.cost.verify
+        if len(verify.trusted()) < 2:  # too little to extrapolate from: measure, smallest first
+            for n in candidates:
+                if not verify.known(batch * n):
+                    return n
+        commits = self.expected_commits(tree, probs).tolist()
+        draft = self.cost.draft.seconds(batch) if self.cost.draft.seconds_at else 0.0  # paid whatever n is
+        rates = {n: commits[n - 1] / (draft + verify.seconds(batch * n)) for n in candidates}
+        best = max(candidates, key=lambda n: (rates[n], -n))
+        value = rates[best] * verify.seconds(batch) / batch  # against a plain step, no draft pass
+        old = self.draft_value.get(batch)
+        self.draft_value[batch] = value if old is None else (1 - VALUE_EMA) * old + VALUE_EMA * value
+        return best
+
+    def clock(self) -> float:
+        """perf_counter seconds; while measuring on a GPU, after the queued work ran."""
+        if self.measuring and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def observe(self, tree: DraftTree, path: Tensor, verify_seconds: float, draft_seconds: float | None) -> None:
+        """After a verify of `tree` (the verified nodes): path [b, d] the accepted path's node
+        indices from the root (-1 padded); the seconds the verify and the draft pass (None: no
+        draft this round) took."""
+        if not self.measuring:
+            return
+        if tree.budget > 1:
+            on_path = torch.zeros(tree.tokens.shape, dtype=torch.bool, device=path.device)
+            on_path.scatter_(1, path.clamp(min=0), path >= 0)
+            self.calibration.observe(path_scores(tree)[:, 1:].flatten(), tree.depths[:, 1:].flatten(), on_path[:, 1:].flatten())
+        self.cost.verify.observe(tree.tokens.numel(), verify_seconds)
+        if draft_seconds is not None:
+            self.cost.draft.observe(tree.tokens.shape[0], draft_seconds)
+
+    def report(self) -> dict:
+        return {"mode": self.mode, "cap": self.cap, "chosen": dict(sorted(self.chosen.items())),
+                "skipped_drafts": self.skipped_drafts, "cost": self.cost.to_json()}  # fmt: skip
+
+
+def policy_from_env(cap: int, device: torch.device | str = "cpu") -> BudgetPolicy:
+    """`JETFLOW_BUDGET` = static (default) | adaptive; `JETFLOW_COST_TABLE`: a measured cost
+    table (JSON of `benchmarks/verify_cost.py`) to start from."""
+    mode = os.environ.get(BUDGET_ENV, "static")
+    table = os.environ.get(COST_TABLE_ENV)
+    cost = CostTable.load(table) if table else None
+    return BudgetPolicy(cap, mode, cost, device)
+

@@ -1,0 +1,199 @@
+"""The load-aware tree budget (jetflow_sglang/budget.py): cost table, acceptance calibration,
+and the size the policy picks under set costs and draft confidence."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from jetflow_sglang.budget import AcceptanceCalibration, BudgetPolicy, CostTable, Curve, budget_ladder
+from jetflow_sglang.tree import build_tree, prune_tree
+
+
+def chain_tree(batch: int, depths: int, prob: float, budget: int, width: int = 4):
+    """A tree whose depth-d top token has probability `prob` (the rest spread over 63 tokens)."""
+    vocab = 64
+    logits = torch.full((batch, depths, vocab), math.log((1 - prob) / (vocab - 1)))
+    logits[:, :, 0] = math.log(prob)
+    return build_tree(torch.zeros(batch, dtype=torch.long), logits, budget, width)
+
+
+def test_ladder():
+    assert budget_ladder(16) == [1, 2, 4, 8, 16]
+    assert budget_ladder(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert budget_ladder(1) == [1]
+
+
+def test_cost_table_interpolates_and_round_trips(tmp_path):
+    table = CostTable(Curve({1: 0.010, 16: 0.025, 64: 0.085}), Curve({1: 0.002, 8: 0.009}))
+    verify = table.verify
+    assert verify.seconds(16) == pytest.approx(0.025)
+    assert verify.seconds(40) == pytest.approx(0.025 + 0.06 * 24 / 48)
+    assert verify.seconds(128) == pytest.approx(0.085 + 0.06 / 48 * 64)  # linear past the last point
+    assert verify.known(40) and not verify.known(65)
+    assert table.draft.seconds(4) == pytest.approx(0.002 + 0.007 * 3 / 7)
+    verify.observe(16, 0.035)
+    assert verify.seconds(16) == pytest.approx(0.8 * 0.025 + 0.2 * 0.035)
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(table.to_json()))
+    loaded = CostTable.load(path)
+    assert loaded.verify.seconds_at == pytest.approx(verify.seconds_at)
+    assert loaded.draft.seconds_at == pytest.approx({1: 0.002, 8: 0.009})
+
+
+def test_noisy_costs_are_read_non_decreasing():
+    """One slow round at a small size (or a lucky one at a big size) must not make a bigger
+    verify look cheaper: the fit pools violators, weighted by how often each size ran."""
+    table = Curve()
+    for m, seconds, times in [(1, 0.090, 2), (2, 0.080, 10), (4, 0.130, 2), (8, 0.147, 10), (16, 0.121, 2), (32, 0.170, 5)]:
+        for _ in range(times):
+            table.observe(m, seconds)
+    read = [table.seconds(m) for m in range(1, 40)]
+    assert all(a <= b + 1e-12 for a, b in zip(read, read[1:]))
+    assert table.seconds(1) == pytest.approx((0.090 * 2 + 0.080 * 10) / 12)
+    assert table.seconds(4) == pytest.approx(0.130)
+    assert table.seconds(8) == table.seconds(16) == pytest.approx((0.147 * 10 + 0.121 * 2) / 12)
+    assert table.seconds(64) > table.seconds(32)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{", "cannot read cost table"),
+    ('{"draft_ms": 1}', "verify_ms"),
+    ('{"verify_ms": {"0": 1.0}}', ">= 1"),
+    ('{"verify_ms": {"4": -1.0}}', "> 0"),
+    ('{"verify_ms": {"4": 1.0}, "draft_ms": {"one": 1.0}}', "integers"),
+    ('{"verify_ms": [1, 2]}', "verify_ms"),
+])  # fmt: skip
+def test_bad_cost_table_is_one_clear_error(tmp_path, text, match):
+    path = tmp_path / "cost.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        CostTable.load(path)
+
+
+def test_calibration_learns_observed_acceptance():
+    """A draft that claims 0.9 but is right 30% of the time is read as 0.3 once observed."""
+    calibration = AcceptanceCalibration()
+    claimed, depth = torch.full((4000,), math.log(0.9)), torch.full((4000,), 2)
+    assert calibration.probabilities(claimed[:1], depth[:1]).item() == pytest.approx(0.9, abs=1e-6)  # nothing seen yet
+    gen = torch.Generator().manual_seed(0)
+    calibration.observe(claimed, depth, torch.rand(4000, generator=gen) < 0.3)
+    assert calibration.probabilities(claimed[:1], depth[:1]).item() == pytest.approx(0.3, abs=0.03)
+    # Another depth with the same score starts from the score bin's rate; another bin from its own.
+    assert calibration.probabilities(claimed[:1], torch.tensor([5])).item() == pytest.approx(0.3, abs=0.03)
+    other_bin = torch.tensor([math.log(0.01)])
+    assert calibration.probabilities(other_bin, depth[:1]).item() == pytest.approx(0.01, rel=1e-4)
+
+
+def test_calibration_tells_depths_apart():
+    """A prompt-lookup chain scores depth * log(0.6) but is right far more often deep in the
+    chain than a head node of the same score; per-depth cells learn each."""
+    calibration = AcceptanceCalibration()
+    score = torch.full((2000,), 4 * math.log(0.6))
+    calibration.observe(score, torch.full((2000,), 4), torch.arange(2000) % 10 < 7)  # chain, depth 4: 0.7
+    calibration.observe(score, torch.full((2000,), 1), torch.arange(2000) % 10 < 1)  # head, depth 1: 0.1
+    got = calibration.probabilities(score[:2], torch.tensor([4, 1]))
+    assert got.tolist() == pytest.approx([0.7, 0.1], abs=0.01)
+
+
+def test_static_always_takes_the_cap():
+    policy = BudgetPolicy(16, "static")
+    tree = chain_tree(2, 8, 0.01, 16)
+    assert policy.choose(tree) == (16, None)
+    policy.observe(tree, torch.zeros(2, 3, dtype=torch.long), 0.5, 0.1)  # nothing to learn
+    assert policy.cost.verify.seconds_at == {}
+
+
+def test_sizes_are_measured_smallest_first_until_the_cost_line_is_known():
+    policy = BudgetPolicy(16, "adaptive")
+    tree = chain_tree(1, 15, 0.9, 16)
+    tried = []
+    for _ in range(5):
+        size, priority = policy.choose(tree)
+        tried.append(size)
+        policy.observe(prune_tree(tree, size, priority), torch.zeros(1, 16, dtype=torch.long), 0.02 + 0.001 * size, 0.001)
+    # Twice each until two sizes are trusted; then the line through them prices the rest, and
+    # a confident draft goes to the cap.
+    assert tried == [1, 1, 2, 2, 16]
+    assert sorted(policy.cost.verify.seconds_at) == [1, 2, 16]
+
+
+def _policy_with_costs(cap: int, seconds_per_token: float, fixed: float) -> BudgetPolicy:
+    sizes = [n * b for n in budget_ladder(cap) for b in (1, 4, 16)]
+    cost = CostTable(Curve({m: fixed + seconds_per_token * m for m in sizes}), Curve({1: 0.001, 16: 0.004}))
+    return BudgetPolicy(cap, "adaptive", cost)
+
+
+def test_confident_draft_with_flat_cost_takes_the_cap():
+    policy = _policy_with_costs(16, seconds_per_token=1e-6, fixed=0.02)  # verify cost ~ flat in size
+    assert policy.choose(chain_tree(1, 15, 0.95, 16))[0] == 16
+
+
+def test_hopeless_draft_verifies_the_root_only():
+    policy = _policy_with_costs(16, seconds_per_token=2e-3, fixed=0.02)
+    assert policy.choose(chain_tree(1, 15, 0.001, 16))[0] == 1
+
+
+def test_size_shrinks_as_the_batch_grows():
+    """Same draft, verify cost linear in bs * n: a big batch can afford fewer nodes each."""
+    policy = _policy_with_costs(16, seconds_per_token=1e-3, fixed=0.02)
+    alone = policy.choose(chain_tree(1, 15, 0.7, 16))[0]
+    loaded = policy.choose(chain_tree(16, 15, 0.7, 16))[0]
+    assert alone > loaded >= 1
+
+
+def test_expected_commits_match_simulated_greedy_acceptance():
+    """Calibrated on a chain drafter right with p per depth, E(n) equals the simulated mean."""
+    p, cap = 0.6, 8
+    policy = BudgetPolicy(cap, "adaptive")
+    gen = torch.Generator().manual_seed(1)
+    tree = chain_tree(1, 7, 0.999, cap, width=1)  # a chain: node d is at depth d
+    for _ in range(3000):
+        hits = int((torch.rand(7, generator=gen) < p).int().cumprod(0).sum())
+        path = torch.tensor([list(range(hits + 1)) + [-1] * (7 - hits)])
+        policy.observe(tree, path, 0.01, 0.001)
+    expected = policy.expected_commits(tree)
+    simulated = [1 + sum(p**d for d in range(1, n)) for n in range(1, cap + 1)]
+    assert expected.tolist() == pytest.approx(simulated, rel=0.05)
+    assert expected[0].item() == 1.0
+
+
+def test_hopeless_drafts_skip_the_draft_pass_and_probe_every_8th_round():
+    policy = _policy_with_costs(16, seconds_per_token=2e-3, fixed=0.02)
+    hopeless = chain_tree(4, 15, 0.001, 16)
+    assert not policy.skip_draft(4)  # nothing known yet: draft
+    assert policy.choose(hopeless)[0] == 1
+    assert policy.draft_value[4] < 1  # the draft pass cost more than it could buy back
+    skips = [policy.skip_draft(4) for _ in range(16)]
+    assert skips == [True] * 7 + [False] + [True] * 7 + [False]  # every 8th round drafts (a probe)
+    assert not policy.skip_draft(2)  # another batch size decides for itself
+    assert policy.skipped_drafts == 14 and policy.report()["chosen"] == {1: 15}
+    assert not BudgetPolicy(16, "static").skip_draft(4)
+
+
+def test_a_confident_round_keeps_drafting_even_if_a_small_tree_wins():
+    """Once drafted, the draft pass is paid whatever size is verified: a round whose best size
+    is small but still beats a plain step keeps the next rounds drafting."""
+    policy = _policy_with_costs(16, seconds_per_token=1e-3, fixed=0.02)
+    size = policy.choose(chain_tree(1, 15, 0.5, 16))[0]
+    assert 1 < size < 16 and policy.draft_value[1] > 1
+    assert not policy.skip_draft(1)
+
+
+def test_policy_from_env(monkeypatch, tmp_path):
+    from jetflow_sglang.budget import policy_from_env
+
+    monkeypatch.setenv("JETFLOW_BUDGET", "adaptive")
+    table = tmp_path / "cost.json"
+    table.write_text(json.dumps({"verify_ms": {"1": 10, "64": 40}, "draft_ms": {"1": 3}}))
+    monkeypatch.setenv("JETFLOW_COST_TABLE", str(table))
+    policy = policy_from_env(64)
+    assert policy.adaptive and policy.cost.verify.seconds(32) == pytest.approx(0.010 + 0.030 * 31 / 63)
+    assert policy.cost.verify.known(1) and policy.cost.verify.known(64)  # a loaded size is trusted at once
+    assert policy.cost.draft.seconds(4) == pytest.approx(0.003)
+    monkeypatch.setenv("JETFLOW_BUDGET", "fast")
+    with pytest.raises(ValueError, match="static, adaptive"):
+        policy_from_env(64)
