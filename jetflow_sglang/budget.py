@@ -15,9 +15,9 @@ the n nodes form a tree (`tree.prune_tree`). Costs come from a table of measured
 non-decreasing fit, linear between and past the measured sizes; until two sizes are measured
 twice each, the ladder is measured smallest first. A table measured beforehand
 (`benchmarks/verify_cost.py`) can seed it; every round updates it (EMA). Under load bs * n
-grows and small trees win. When even the best drafted round commits fewer tokens per second
-than a plain step would (EMA per batch size), the next rounds skip the draft pass and verify
-the root alone, drafting every `PROBE_EVERY`-th round to see whether that changed.
+grows and small trees win. When drafted rounds have been committing fewer tokens per second
+than plain steps would (measured, EMA per batch size), the next rounds skip the draft pass and
+verify the root alone, drafting every `PROBE_EVERY`-th round to see whether that changed.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ EMA = 0.2
 MIN_SAMPLES = 2  # rounds at a size before the cost table trusts it (a loaded table counts as this)
 MAX_WEIGHT = 20  # samples weighing a size in the monotone fit (recent EMA values stay live)
 PROBE_EVERY = 8  # while drafting does not pay, every 8th round drafts anyway to see if that changed
-VALUE_EMA = 0.3
+VALUE_EMA = 0.1
 
 
 def budget_ladder(cap: int) -> list[int]:
@@ -192,7 +192,7 @@ class BudgetPolicy:
         self.cost = cost or CostTable()
         self.calibration = AcceptanceCalibration(device)
         self.chosen: dict[int, int] = {}  # tree size -> rounds (for reports and tests)
-        self.draft_value: dict[int, float] = {}  # batch size -> EMA of (best drafted rate / plain step rate)
+        self.draft_value: dict[int, float] = {}  # batch size -> EMA of (drafted round's rate / plain step's)
         self.undrafted: dict[int, int] = {}  # batch size -> rounds verified without a draft since
         self.skipped_drafts = 0
 
@@ -219,8 +219,8 @@ class BudgetPolicy:
         return ordered.cumsum(1).sum(0)
 
     def skip_draft(self, batch: int) -> bool:
-        """True when drafting has lately not paid at this batch size (the best drafted round
-        committed fewer tokens per second than a plain step would, EMA over drafted rounds) and
+        """True when drafting has lately not paid at this batch size (drafted rounds committed
+        fewer tokens per second than plain steps would: EMA over drafted rounds, as measured) and
         no probe is due: the round then verifies the root alone, with no draft pass."""
         if not self.adaptive or self.draft_value.get(batch, 1.0) >= 1.0:
             return False
@@ -257,11 +257,7 @@ class BudgetPolicy:
         commits = self.expected_commits(tree, probs).tolist()
         draft = self.cost.draft.seconds(batch) if self.cost.draft.seconds_at else 0.0  # paid whatever n is
         rates = {n: commits[n - 1] / (draft + verify.seconds(batch * n)) for n in candidates}
-        best = max(candidates, key=lambda n: (rates[n], -n))
-        value = rates[best] * verify.seconds(batch) / batch  # against a plain step, no draft pass
-        old = self.draft_value.get(batch)
-        self.draft_value[batch] = value if old is None else (1 - VALUE_EMA) * old + VALUE_EMA * value
-        return best
+        return max(candidates, key=lambda n: (rates[n], -n))
 
     def clock(self) -> float:
         """perf_counter seconds; while measuring on a GPU, after the queued work ran."""
@@ -279,9 +275,15 @@ class BudgetPolicy:
             on_path = torch.zeros(tree.tokens.shape, dtype=torch.bool, device=path.device)
             on_path.scatter_(1, path.clamp(min=0), path >= 0)
             self.calibration.observe(path_scores(tree)[:, 1:].flatten(), tree.depths[:, 1:].flatten(), on_path[:, 1:].flatten())
+        batch = tree.tokens.shape[0]
         self.cost.verify.observe(tree.tokens.numel(), verify_seconds)
         if draft_seconds is not None:
-            self.cost.draft.observe(tree.tokens.shape[0], draft_seconds)
+            self.cost.draft.observe(batch, draft_seconds)
+            # What drafting bought this round: committed tokens per second against a plain step's.
+            committed = int((path >= 0).sum())
+            value = committed / (draft_seconds + verify_seconds) * self.cost.verify.seconds(batch) / batch
+            old = self.draft_value.get(batch)
+            self.draft_value[batch] = value if old is None else (1 - VALUE_EMA) * old + VALUE_EMA * value
 
     def report(self) -> dict:
         return {"mode": self.mode, "cap": self.cap, "chosen": dict(sorted(self.chosen.items())),

@@ -161,26 +161,30 @@ def test_expected_commits_match_simulated_greedy_acceptance():
     assert expected[0].item() == 1.0
 
 
-def test_hopeless_drafts_skip_the_draft_pass_and_probe_every_8th_round():
+def test_drafting_that_does_not_pay_is_skipped_with_a_probe_every_8th_round():
     policy = _policy_with_costs(16, seconds_per_token=2e-3, fixed=0.02)
-    hopeless = chain_tree(4, 15, 0.001, 16)
+    tree = prune_tree(chain_tree(4, 15, 0.001, 16), 2)
+    nothing_accepted = torch.tensor([[0, -1]] * 4)
     assert not policy.skip_draft(4)  # nothing known yet: draft
-    assert policy.choose(hopeless)[0] == 1
-    assert policy.draft_value[4] < 1  # the draft pass cost more than it could buy back
+    # 4 tokens in draft + verify seconds, where a plain step (verify of 4 tokens) is faster.
+    policy.observe(tree, nothing_accepted, verify_seconds=0.04, draft_seconds=0.004)
+    plain = policy.cost.verify.seconds(4)
+    assert policy.draft_value[4] == pytest.approx(4 / 0.044 * plain / 4)
+    assert policy.draft_value[4] < 1
     skips = [policy.skip_draft(4) for _ in range(16)]
     assert skips == [True] * 7 + [False] + [True] * 7 + [False]  # every 8th round drafts (a probe)
     assert not policy.skip_draft(2)  # another batch size decides for itself
-    assert policy.skipped_drafts == 14 and policy.report()["chosen"] == {1: 15}
+    assert policy.skipped_drafts == 14 and policy.report()["chosen"] == {1: 14}
     assert not BudgetPolicy(16, "static").skip_draft(4)
 
 
-def test_a_confident_round_keeps_drafting_even_if_a_small_tree_wins():
-    """Once drafted, the draft pass is paid whatever size is verified: a round whose best size
-    is small but still beats a plain step keeps the next rounds drafting."""
+def test_drafting_that_pays_keeps_drafting():
     policy = _policy_with_costs(16, seconds_per_token=1e-3, fixed=0.02)
-    size = policy.choose(chain_tree(1, 15, 0.5, 16))[0]
-    assert 1 < size < 16 and policy.draft_value[1] > 1
-    assert not policy.skip_draft(1)
+    tree = prune_tree(chain_tree(1, 15, 0.5, 16), 4)
+    three_committed = torch.tensor([[0, 1, 2, -1]])
+    for _ in range(20):
+        policy.observe(tree, three_committed, verify_seconds=0.024, draft_seconds=0.002)
+    assert policy.draft_value[1] > 2 and not policy.skip_draft(1)
 
 
 def test_policy_from_env(monkeypatch, tmp_path):

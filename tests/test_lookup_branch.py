@@ -39,9 +39,10 @@ def test_each_row_gets_its_own_chain_and_the_rest_stay():
     record.on_extend(reqs, seq_lens)
     anchors = torch.tensor([3, 14])
     tree = trees([3, 14])
-    merged = branch.merge(tree, reqs, seq_lens, anchors, record)
+    chains = branch.chains(reqs, seq_lens, anchors, record)
+    merged = branch.merge(tree, chains)
     chain = lookup_draft(repeating + [3], DEPTHS)
-    assert chain == [4, 5, 1, 2, 3, 4]
+    assert chains == [chain, []] and chain == [4, 5, 1, 2, 3, 4]
     want = merge_chain(trees([3]), torch.tensor(chain), branch.chain_logprob)
     for field in ("tokens", "parents", "depths", "scores", "ancestors"):
         assert torch.equal(getattr(merged, field)[0], getattr(want, field)[0]), field
@@ -59,7 +60,7 @@ def test_accepted_paths_extend_the_record_and_feed_the_next_round():
     assert record.ids["a"] == [7, 8, 9, 7, 8, 9, 7, 8]
     # The scheduler's output ids lag (overlap): the branch uses the worker's own record, so the
     # next round's chain continues after the newest tokens.
-    merged = branch.merge(trees([9]), reqs, torch.tensor([8]), torch.tensor([9]), record)
+    merged = branch.merge(trees([9]), branch.chains(reqs, torch.tensor([8]), torch.tensor([9]), record))
     assert path_tokens(merged) == lookup_draft(record.ids["a"] + [9], DEPTHS) == [7, 8, 9, 7, 8, 9]
 
 
@@ -80,12 +81,14 @@ def test_unknown_or_out_of_step_requests_draft_alone_and_dead_ones_are_dropped()
     tree = trees([1])
     # seq_len disagrees with the record (e.g. retracted and re-admitted): head alone this round.
     record.keep_only([a])
-    assert branch.merge(tree, [a], torch.tensor([6]), torch.tensor([1]), record) is tree
+    assert branch.chains([a], torch.tensor([6]), torch.tensor([1]), record) == [[]]
+    assert branch.merge(tree, [[]]) is tree
     assert "b" not in record.ids  # not in the decode batch any more
     record.on_accept([a], torch.tensor([6]), torch.tensor([1]), torch.tensor([[2, 1]]), torch.tensor([1]))
     assert "a" not in record.ids  # out of step: forgotten until its next extend
     fresh = trees([1], seed=3)
-    assert branch.merge(fresh, [request("c", [1, 2, 1])], torch.tensor([3]), torch.tensor([2]), record) is fresh
+    assert branch.chains([request("c", [1, 2, 1])], torch.tensor([3]), torch.tensor([2]), record) == [[]]
+    assert branch.merge(fresh, [[]]) is fresh
 
 
 def test_switch_reads_zero_or_one(monkeypatch):

@@ -34,13 +34,19 @@ class LookupBranch:
     def __init__(self, depths: int, chain_logprob: float = CHAIN_LOGPROB) -> None:
         self.depths, self.chain_logprob = depths, chain_logprob
 
-    def merge(self, tree: DraftTree, reqs: Sequence, seq_lens: Tensor, anchors: Tensor, committed: CommittedIds) -> DraftTree:
+    def chains(self, reqs: Sequence, seq_lens: Tensor, anchors: Tensor, committed: CommittedIds) -> list[list[int]]:
+        """Each request's prompt-lookup continuation after its anchor ([] when none or unknown)."""
+        out = []
+        for req, seq_len, anchor in zip(reqs, seq_lens.tolist(), anchors.tolist()):
+            ids = committed.get(req, seq_len)
+            out.append(lookup_draft(ids + [anchor], self.depths) if ids is not None else [])
+        return out
+
+    def merge(self, tree: DraftTree, chains: Sequence[Sequence[int]]) -> DraftTree:
         """Each request's tree with its lookup chain merged in (same budget)."""
         rows, changed = [], False
-        for i, (req, seq_len, anchor) in enumerate(zip(reqs, seq_lens.tolist(), anchors.tolist())):
+        for i, chain in enumerate(chains):
             row = _row(tree, i)
-            ids = committed.get(req, seq_len)
-            chain = lookup_draft(ids + [anchor], self.depths) if ids is not None else []
             if chain:
                 merged = merge_chain(row, torch.tensor(chain, device=tree.tokens.device), self.chain_logprob)
                 changed = changed or merged is not row

@@ -221,14 +221,14 @@ class JetFlowWorker(BaseSpecWorker):
             self.timings[name] += now - start
         return now
 
-    def _draft_tree(self, request: DraftRequest, reqs: list, t: float) -> tuple[DraftTree, float]:
-        """Draft pass -> best-first tree at the cap -> free branch -> this round's size."""
+    def _draft_tree(self, request: DraftRequest, chains: Optional[list], t: float) -> tuple[DraftTree, float]:
+        """Draft pass -> best-first tree at the cap -> free branch (lookup chains) -> this round's size."""
         logits = self.proposer.propose(request)
         t = self._tick("draft", t)
         topk_logprobs, topk_tokens = logits.float().log_softmax(-1).topk(min(self.width, logits.shape[-1]), dim=-1)
         tree = build_tree_from_topk(request.anchors, topk_logprobs, topk_tokens, self.budget)
-        if self.lookup is not None:
-            tree = self.lookup.merge(tree, reqs, request.seq_lens, request.anchors, self.committed_ids)
+        if chains is not None:
+            tree = self.lookup.merge(tree, chains)
         size, priority = self.budget_policy.choose(tree)
         return prune_tree(tree, size, priority), t
 
@@ -246,8 +246,11 @@ class JetFlowWorker(BaseSpecWorker):
             rids=[req.rid for req in batch.reqs],
         )
         self.committed_ids.keep_only(batch.reqs)
-        drafted = not self.budget_policy.skip_draft(bs)  # adaptive: the root alone, no draft pass
-        tree, t = self._draft_tree(request, batch.reqs, t) if drafted else (root_only(anchors), t)
+        chains = self.lookup.chains(batch.reqs, seq_lens, anchors, self.committed_ids) if self.lookup else None
+        # Adaptive: where drafting has not paid lately, the root alone without a draft pass,
+        # unless prompt lookup found a continuation for some request this round.
+        drafted = any(chains or ()) or not self.budget_policy.skip_draft(bs)
+        tree, t = self._draft_tree(request, chains, t) if drafted else (root_only(anchors), t)
         budget = tree.budget  # this round's verify width (adaptive: up to the cap)
         draft_seconds = self.budget_policy.clock() - round_start if drafted else None
         masks = tree_masks(tree.parents, tree.depths, seq_lens, packed=False)
