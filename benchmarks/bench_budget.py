@@ -26,29 +26,9 @@ from pathlib import Path
 
 from jetflow_sglang import server as sglang_server
 from jetflow_sglang.assets import head_dir_for, resolve_target
+from jetflow_sglang.cli import int_list
 from jetflow_sglang.budget import COST_TABLE_ENV
 from jetflow_sglang.served import BenchConfig, last_profile, _request, bench_prompts
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _run(client, model: str, prompts: list, config: BenchConfig, concurrency: int) -> dict:
-    start = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda p: _request(client, model, p, config), prompts))
-    seconds = time.perf_counter() - start
-    tokens = sum(r["tokens"] for r in results)
-    taus = [r["tau"] for r in results if r["tau"] is not None]
-    return {"tokens_per_s": tokens / seconds, "tau": statistics.median(taus) if taus else None,
-            "texts": [r["text"] for r in results]}  # fmt: skip
 
 
 def main() -> None:
@@ -56,8 +36,8 @@ def main() -> None:
     parser.add_argument("--head", default="default", help="default, random, or a head directory")
     parser.add_argument("--prompts", default="humaneval", help="demo, humaneval, sharegpt-heldout, or a JSON/JSONL file")
     parser.add_argument("--limit", type=int, default=8, help="first N prompts of the set")
-    parser.add_argument("--budgets", type=_ints, default=[16, 64], help="static budgets; the largest is the adaptive cap")
-    parser.add_argument("--concurrency", type=_ints, default=[1, 4], help="requests in flight per variant")
+    parser.add_argument("--budgets", type=int_list, default=[16, 64], help="static budgets; the largest is the adaptive cap")
+    parser.add_argument("--concurrency", type=int_list, default=[1, 4], help="requests in flight per variant")
     parser.add_argument("--rounds", type=int, default=1, help="repeat each measurement; medians are reported")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of every server")

@@ -26,25 +26,16 @@ import torch
 
 from jetflow_sglang import server as sglang_server
 from jetflow_sglang.assets import head_dir_for, resolve_target
+from jetflow_sglang.cli import int_list
 from jetflow_sglang.budget import BUDGET_ENV, CostTable
 from jetflow_sglang.served import BenchConfig, _request, bench_prompts, last_profile
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--head", default="default", help="default, random, or a head directory")
     parser.add_argument("--cap", type=int, default=256, help="largest tree size measured (the adaptive cap)")
-    parser.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16], help="requests in flight, in turn")
+    parser.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16], help="requests in flight, in turn")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="new tokens per request (EOS ignored)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="server dtype")
     parser.add_argument("--out", default=None, help="write the cost table (JSON) here")

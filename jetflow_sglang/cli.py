@@ -102,17 +102,23 @@ def cmd_train(args: argparse.Namespace) -> None:
     print(json.dumps(train(_config_from_args(TrainConfig, args))), flush=True)
 
 
+def int_list(text: str, low: int = 1, high: int | None = None, what: str = "values") -> list[int]:
+    """argparse type: comma-separated integers in [low, high]."""
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} must be comma-separated integers, got {text!r}") from None
+    bad = [v for v in values if v < low or (high is not None and v > high)]
+    if not values or bad:
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise argparse.ArgumentTypeError(f"{what} must be {bound}, got {bad or text!r}")
+    return values
+
+
 def _budgets(text: str) -> tuple[int, ...]:
     from jetflow_sglang.tree import MAX_BUDGET
 
-    try:
-        budgets = tuple(int(b) for b in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"budgets must be comma-separated integers, got {text!r}") from None
-    bad = [b for b in budgets if not 1 <= b <= MAX_BUDGET]
-    if bad:
-        raise argparse.ArgumentTypeError(f"budgets must be between 1 and {MAX_BUDGET}, got {bad}")
-    return budgets
+    return tuple(int_list(text, 1, MAX_BUDGET, "budgets"))
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
