@@ -97,7 +97,8 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
-def _env(env: Optional[dict]) -> dict:
+def launcher_env(env: Optional[dict] = None) -> dict:
+    """The environment a launcher runs in: ours, plus `env`, less what would switch the platform."""
     full_env = dict(os.environ)
     full_env.pop("SGLANG_USE_CPU_ENGINE", None)  # the jetflow_cpu platform serves on CPU
     full_env.update(env or {})
@@ -121,7 +122,7 @@ def start(
     cmd = server_cmd(target, port, *extra, dtype=dtype, max_total_tokens=max_total_tokens)
     out: IO | None = open(log, "wb") if log else None
     try:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=_env(env), start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=launcher_env(env), start_new_session=True)
     finally:
         if out:
             out.close()
@@ -145,7 +146,7 @@ def run_to_exit(target: str, log: Path, *extra: str, timeout: float = 240, env: 
     """Run a launcher expected to refuse to start: (exit code, output). Kills it on timeout."""
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            server_cmd(target, free_port(), *extra), stdout=out, stderr=subprocess.STDOUT, env=_env(env), start_new_session=True
+            server_cmd(target, free_port(), *extra), stdout=out, stderr=subprocess.STDOUT, env=launcher_env(env), start_new_session=True
         )
     try:
         proc.wait(timeout=timeout)

@@ -27,6 +27,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -616,10 +618,27 @@ def test_bad_head_or_budget_refuses_to_start(target_dir, head_dir, tmp_path):
         ("backend", head_dir, "64", "cannot verify draft trees", ["--attention-backend", "torch_native"], None),
         ("tp2", head_dir, "64", "--tp 2 is not supported yet", ["--tp-size", "2"], None),
         ("cost_table", head_dir, "64", "times > 0", ["--speculative-adaptive"], {"JETFLOW_COST_TABLE": str(broken_table)}),
+        ("fits", head_dir, "64", "", [], None),  # the control: a good head and budget resolve
     ]  # fmt: skip
-    for name, path, budget, needle, extra, env in runs:
-        code, output = sglang_server.run_to_exit(
-            target_dir, tmp_path / f"{name}.log", *sglang_server.jetflow_args(path, int(budget)), *extra, env=env
-        )
+    # Every case through the launcher's own argument resolution, in one process (a launch each
+    # cost ~17 s of imports here); two of them also as real launches that must exit non-zero.
+    cases = [
+        {"name": name, "argv": sglang_server.server_cmd(target_dir, 30000, *sglang_server.jetflow_args(path, int(budget)), *extra)[3:],
+         "env": env}
+        for name, path, budget, _, extra, env in runs
+    ]  # fmt: skip
+    resolver = Path(__file__).parent / "helpers" / "launcher_args.py"
+    proc = subprocess.run([sys.executable, str(resolver), json.dumps(cases)], capture_output=True, text=True, timeout=300,
+                          env=sglang_server.launcher_env())  # fmt: skip
+    results = {r["name"]: r for r in map(json.loads, (line for line in proc.stdout.splitlines() if line.startswith("{")))}
+    assert len(results) == len(runs), proc.stderr[-2000:]
+    for name, _, _, needle, _, _ in runs:
+        if name == "fits":
+            assert not results[name]["refused"], results[name]["message"]
+        else:
+            assert results[name]["refused"] and "JETFLOW" in results[name]["message"] and needle in results[name]["message"], results[name]
+    for name in ("missing", "budget0"):
+        path, budget, needle = next((path, budget, needle) for n, path, budget, needle, _, _ in runs if n == name)
+        code, output = sglang_server.run_to_exit(target_dir, tmp_path / f"{name}.log", *sglang_server.jetflow_args(path, int(budget)))
         assert code not in (0, -1), f"{name}: server did not refuse (exit {code})"
         assert "JETFLOW" in output and needle in output, f"{name}: {output[-1500:]}"
