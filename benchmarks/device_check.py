@@ -424,6 +424,36 @@ def measure(args: argparse.Namespace, bench: Bench, report: dict, dtype: torch.d
     report["packed_vs_4d"] = {"n": n, "status": f"skipped: {skip}"} if skip else compare_verify(s, n)
 
 
+# Largest |logit diff| between two paths that must agree, relative to the logit scale: fp32 on a
+# dry run, bf16 on the GPU (a different kernel's summation order moves bf16 logits by ~1e-2).
+PATH_TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}
+MIN_ARGMAX_AGREEMENT = {"float32": 1.0, "bfloat16": 0.97}  # bf16: near-ties may flip
+
+
+def path_failures(report: dict, skip_flashinfer: bool = False) -> list[str]:
+    """What the paths that must agree did not: the SGLang draft pass (paged, and replayed from a
+    graph) against the dense draft, and the packed-mask verify (FlashInfer on the GPU) against the
+    4D-mask SDPA verify. On the GPU, a packed-mask check that did not run is a failure too,
+    unless --skip-flashinfer asked for that."""
+    dtype, failures = report["dtype"], []
+    tolerance = PATH_TOLERANCE.get(dtype, 3e-2)
+    paths = report.get("draft_paths") or {}
+    if not paths:
+        failures.append("draft paths: not compared")
+    for name in ("paged_vs_dense", "graph_vs_eager"):
+        if name in paths and not paths[name] <= tolerance * max(paths["logit_scale"], 1.0):
+            failures.append(f"draft paths: {name} max |logit diff| {paths[name]:.3g} over {tolerance:g} x scale {paths['logit_scale']:.3g}")
+    check = report.get("packed_vs_4d") or {}
+    if check.get("status") == "ok":
+        if not check["max_abs_logit_diff"] <= tolerance * max(check["logit_scale"], 1.0):
+            failures.append(f"packed vs 4D mask: max |logit diff| {check['max_abs_logit_diff']:.3g} over {tolerance:g} x scale")
+        if check["argmax_agreement"] < MIN_ARGMAX_AGREEMENT.get(dtype, 0.97):
+            failures.append(f"packed vs 4D mask: argmax agreement {check['argmax_agreement']:.3f}")
+    elif not report["dry_run"] and not skip_flashinfer:
+        failures.append(f"packed vs 4D mask: {check.get('status', 'not run')}")
+    return failures
+
+
 def run(args: argparse.Namespace) -> int:
     cuda = not args.dry_run
     if cuda and not torch.cuda.is_available():
@@ -460,11 +490,12 @@ def run(args: argparse.Namespace) -> int:
     # (4) JSON, then the table last.
     report["rows"] = [asdict(r) for r in bench.rows]
     report["wall_s"] = round(bench.elapsed(), 1)
+    report["path_failures"] = [] if "fatal" in report else path_failures(report, args.skip_flashinfer)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=2) + "\n")
     log(f"wrote {out_path}")
     print(table(report))
-    failed = "fatal" in report or report["kernel_tests"]["status"] in ("failed", "timeout")
+    failed = "fatal" in report or report["kernel_tests"]["status"] in ("failed", "timeout") or report["path_failures"]
     return 1 if failed or any(r.status.startswith("error") for r in bench.rows) else 0
 
 
@@ -505,6 +536,7 @@ def table(report: dict) -> str:
                      f"(logit scale {check['logit_scale']:.3g}), argmax agreement {check['argmax_agreement']:.3f}")
     not_ok = [f"{r['name']}/{r['impl']}/N={r['n']}: {r['status']}" for r in report["rows"] if r["status"] != "ok"]
     lines += [f"not timed: {line}" for line in not_ok[:6]] + [f"... {len(not_ok) - 6} more"] * (len(not_ok) > 6)
+    lines += [f"PATHS DISAGREE: {line}" for line in report.get("path_failures", [])]
     if "fatal" in report:
         lines.append("STOPPED EARLY: " + report["fatal"].strip().splitlines()[-1])
     lines.append(f"kernels: {report['kernel_backend']}; wall {report['wall_s']}s")

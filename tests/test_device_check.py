@@ -45,6 +45,7 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
     # The packed (FlashInfer-layout) mask gives the 4D-mask logits: the mask layout is right.
     check = report["packed_vs_4d"]
     assert check["status"] == "ok" and check["max_abs_logit_diff"] < 1e-4 and check["argmax_agreement"] == 1.0
+    assert report["path_failures"] == []
 
     # The table comes last on stdout; progress goes to stderr.
     table = result.stdout.strip().splitlines()
@@ -53,3 +54,25 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
     assert any(line.strip().startswith("HF SDPA, 4D mask") for line in table)
     assert all(any(line.strip().startswith(op) for line in table) for op in KERNEL_OPS)
     assert "verify" in result.stderr
+
+
+def test_paths_that_disagree_fail_the_device_check() -> None:
+    """The exit status holds the draft paths and the packed-mask verify to a tolerance; on the GPU
+    a packed-mask check that did not run (FlashInfer build failed, deadline) fails as well."""
+    import sys
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from device_check import path_failures
+
+    good = {"dtype": "bfloat16", "dry_run": False,
+            "draft_paths": {"paged_vs_dense": 0.05, "graph_vs_eager": 0.0, "logit_scale": 20.0},
+            "packed_vs_4d": {"status": "ok", "max_abs_logit_diff": 0.1, "logit_scale": 30.0, "argmax_agreement": 0.99}}  # fmt: skip
+    assert path_failures(good) == []
+    wrong_graph = dict(good, draft_paths=dict(good["draft_paths"], graph_vs_eager=3.0))
+    assert [f.split(":")[1].split()[0] for f in path_failures(wrong_graph)] == ["graph_vs_eager"]
+    wrong_mask = dict(good, packed_vs_4d=dict(good["packed_vs_4d"], argmax_agreement=0.5))
+    assert "argmax agreement" in path_failures(wrong_mask)[0]
+    not_run = dict(good, packed_vs_4d={"n": 16, "status": "skipped: FlashInfer build failed"})
+    assert "FlashInfer build failed" in path_failures(not_run)[0] and path_failures(not_run, skip_flashinfer=True) == []
+    dry = dict(not_run, dtype="float32", dry_run=True, draft_paths={"paged_vs_dense": 1e-3, "graph_vs_eager": 0.0, "logit_scale": 5.0})
+    assert [f.split(":")[1].split()[0] for f in path_failures(dry)] == ["paged_vs_dense"]  # fp32 is held tighter
