@@ -6,7 +6,8 @@ in the SGLang server, at several concurrencies, greedy.
         --out benchmarks/results/budget_humaneval8.json
 
 One server per variant, all up at once on 127.0.0.1 (--max-total-tokens 8192): the target alone,
-JETFLOW at each static budget, and JETFLOW adaptive with the largest budget as its cap. For each
+JETFLOW at each static budget, JETFLOW adaptive with the largest budget as its cap, and with
+--lookup-only JETFLOW verifying prompt-lookup chains alone (no head pass). For each
 concurrency c the prompt set goes to each variant in turn (c requests in flight at a time), so
 all variants see the same machine state; a run repeats --rounds times and the median is kept.
 Prints output tokens/s per variant and concurrency, the ratio to the target alone, median tau,
@@ -29,6 +30,7 @@ from jetflow_sglang.assets import head_dir_for, resolve_target
 from jetflow_sglang.cli import int_list
 from jetflow_sglang.budget import COST_TABLE_ENV
 from jetflow_sglang.served import BenchConfig, last_profile, _request, bench_prompts
+from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV
 
 
 def main() -> None:
@@ -42,6 +44,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of every server")
     parser.add_argument("--cost-table", default=None, help="JETFLOW_COST_TABLE of the adaptive server (benchmarks/verify_cost.py)")
+    parser.add_argument("--lookup-only", action="store_true",
+                        help="also JETFLOW_LOOKUP=only (prompt-lookup chains alone, no head pass) at the cap")
     parser.add_argument("--out", default=None, help="write the JSON report here")
     args = parser.parse_args()
 
@@ -57,6 +61,8 @@ def main() -> None:
         variants[f"static {budget}"] = (sglang_server.jetflow_args(head_dir, budget), {})
     variants[f"adaptive (cap {cap})"] = ([*sglang_server.jetflow_args(head_dir, cap), "--speculative-adaptive"],
                                          {"JETFLOW_PROFILE": "1", **({COST_TABLE_ENV: args.cost_table} if args.cost_table else {})})  # fmt: skip
+    if args.lookup_only:
+        variants["lookup only"] = (sglang_server.jetflow_args(head_dir, cap), {LOOKUP_ENV: "only"})
     servers, logs = {}, {}
     table = {}
     try:

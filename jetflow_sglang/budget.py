@@ -15,9 +15,11 @@ the n nodes form a tree (`tree.prune_tree`). Costs come from a table of measured
 non-decreasing fit, linear between and past the measured sizes; until two sizes are measured
 twice each, the ladder is measured smallest first. A table measured beforehand
 (`benchmarks/verify_cost.py`) can seed it; every round updates it (EMA). Under load bs * n
-grows and small trees win. When drafted rounds have been committing fewer tokens per second
-than plain steps would (measured, EMA per batch size), the next rounds skip the draft pass and
-verify the root alone, drafting every `PROBE_EVERY`-th round to see whether that changed.
+grows and small trees win. When rounds with a head draft pass have been committing fewer
+tokens per second than rounds without one (measured, EMA per batch size, each against a plain
+step; a plain step counts 1), the next rounds skip the head: they verify the prompt-lookup
+chains alone, or the root alone where no request has one, running the head every
+`PROBE_EVERY`-th round to see whether that changed.
 """
 
 from __future__ import annotations
@@ -192,7 +194,8 @@ class BudgetPolicy:
         self.cost = cost or CostTable()
         self.calibration = AcceptanceCalibration(device)
         self.chosen: dict[int, int] = {}  # tree size -> rounds (for reports and tests)
-        self.draft_value: dict[int, float] = {}  # batch size -> EMA of (drafted round's rate / plain step's)
+        self.draft_value: dict[int, float] = {}  # batch size -> EMA of (head-drafted round's rate / plain step's)
+        self.bare_value: dict[int, float] = {}  # the same for rounds without the head (lookup chains or the root alone)
         self.undrafted: dict[int, int] = {}  # batch size -> rounds verified without a draft since
         self.skipped_drafts = 0
 
@@ -219,17 +222,17 @@ class BudgetPolicy:
         return ordered.cumsum(1).sum(0)
 
     def skip_draft(self, batch: int) -> bool:
-        """True when drafting has lately not paid at this batch size (drafted rounds committed
-        fewer tokens per second than plain steps would: EMA over drafted rounds, as measured) and
-        no probe is due: the round then verifies the root alone, with no draft pass."""
-        if not self.adaptive or self.draft_value.get(batch, 1.0) >= 1.0:
+        """True when the head's draft pass has lately not paid at this batch size (its rounds
+        committed fewer tokens per second, against a plain step, than rounds without it: EMAs as
+        measured) and no probe is due: the round then verifies what prompt lookup found, or the
+        root alone, with no head pass."""
+        if not self.adaptive or self.draft_value.get(batch, 1.0) >= self.bare_value.get(batch, 1.0):
             return False
         if self.undrafted.get(batch, 0) >= PROBE_EVERY - 1:
             self.undrafted[batch] = 0
             return False
         self.undrafted[batch] = self.undrafted.get(batch, 0) + 1
         self.skipped_drafts += 1
-        self.chosen[1] = self.chosen.get(1, 0) + 1
         return True
 
     def choose(self, tree: DraftTree) -> tuple[int, Tensor | None]:
@@ -279,11 +282,13 @@ class BudgetPolicy:
         self.cost.verify.observe(tree.tokens.numel(), verify_seconds)
         if draft_seconds is not None:
             self.cost.draft.observe(batch, draft_seconds)
-            # What drafting bought this round: committed tokens per second against a plain step's.
-            committed = int((path >= 0).sum())
-            value = committed / (draft_seconds + verify_seconds) * self.cost.verify.seconds(batch) / batch
-            old = self.draft_value.get(batch)
-            self.draft_value[batch] = value if old is None else (1 - VALUE_EMA) * old + VALUE_EMA * value
+        # What this round bought: committed tokens per second against a plain step's, kept apart
+        # for rounds with and without the head's draft pass.
+        committed = int((path >= 0).sum())
+        value = committed / ((draft_seconds or 0.0) + verify_seconds) * self.cost.verify.seconds(batch) / batch
+        values = self.draft_value if draft_seconds is not None else self.bare_value
+        old = values.get(batch)
+        values[batch] = value if old is None else (1 - VALUE_EMA) * old + VALUE_EMA * value
 
     def report(self) -> dict:
         return {"mode": self.mode, "cap": self.cap, "chosen": dict(sorted(self.chosen.items())),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Callable
 
 import torch
@@ -18,9 +19,9 @@ import torch
 from jetflow_sglang.accept import Acceptance, accept_tree, target_picks
 from jetflow_sglang.drafter import Drafter
 from jetflow_sglang.errors import JetFlowError
-from jetflow_sglang.lookup import CHAIN_LOGPROB, lookup_draft
+from jetflow_sglang.lookup import CHAIN_SCORES, lookup_draft
 from jetflow_sglang.target import Target, compact_cache
-from jetflow_sglang.tree import DraftTree, build_tree, check_budget, max_tree_nodes, merge_chain, refreshed_tree
+from jetflow_sglang.tree import DraftTree, build_tree, chain_tree, check_budget, max_tree_nodes, merge_chain, refreshed_tree
 
 
 @dataclass(frozen=True)
@@ -112,10 +113,13 @@ class ReferenceEngine:
         width: int = 7,
         refresh: bool = False,
         lookup: bool = False,
-        lookup_logprob: float = CHAIN_LOGPROB,
+        lookup_scores: Sequence[float] = CHAIN_SCORES,
+        head: bool = True,
     ) -> None:
         """lookup: merge the prompt-lookup continuation of the committed tokens into each tree
-        (tree.merge_chain), its depth-d node scored d * lookup_logprob, within the same budget."""
+        (tree.merge_chain), its depth-d node scored lookup_scores[d-1], within the same budget.
+        head=False (with lookup): verify the lookup chain alone each round, no head pass (the
+        training-free baseline)."""
         try:
             check_budget(budget)
         except ValueError as exc:
@@ -130,7 +134,9 @@ class ReferenceEngine:
             raise JetFlowError(f"{type(drafter).__name__} has no path-conditioned refresh pass")
         self.target, self.drafter, self.budget, self.width = target, drafter, budget, width
         self.refresh = refresh
-        self.lookup, self.lookup_logprob = lookup, lookup_logprob
+        if not head and not lookup:
+            raise JetFlowError("without the head there is nothing to draft: turn prompt lookup on")
+        self.lookup, self.lookup_scores, self.head = lookup, lookup_scores, head
 
     @torch.inference_mode()
     def generate(
@@ -139,8 +145,9 @@ class ReferenceEngine:
         max_new_tokens: int,
         sampling: Sampling = Sampling(),
         on_round: RoundHook | None = None,
+        ignore_eos: bool = False,
     ) -> GenerationResult:
-        target, eos = self.target, self.target.eos_token_ids
+        target, eos = self.target, set() if ignore_eos else self.target.eos_token_ids
         check_prompt(target, prompt_ids, max_new_tokens)
         start = time.perf_counter()
         generator = sampling.generator()
@@ -149,22 +156,25 @@ class ReferenceEngine:
         cache = target.new_cache()
         position = len(prompt_ids)
         logits, features = target.forward(torch.tensor([prompt_ids]), torch.arange(position)[None], cache)
-        self.drafter.reset(features)
+        if self.head:
+            self.drafter.reset(features)
         result = GenerationResult(tokens=[])
         done = _finish(result.tokens, [int(pick(logits[:, -1:])[0, 0])], eos, max_new_tokens)
         context = list(prompt_ids) + result.tokens  # prompt + committed tokens, anchor last
         while not done:
             anchor = torch.tensor([result.tokens[-1]])
-            draft_logprobs = self.drafter.propose(anchor, position).float().log_softmax(-1)
-            tree = build_tree(anchor, draft_logprobs, self.budget, self.width)
-            if self.refresh:  # second head pass over the tree: branch-specific children (method §3)
-                node_logprobs = self.drafter.refresh(tree, position).float().log_softmax(-1)
-                tree = refreshed_tree(tree, node_logprobs, draft_logprobs, self.width)
-            if self.lookup:  # after the refresh, which rebuilds the tree from the head's log-probs
-                chain = lookup_draft(context, depth=self.drafter.block_size - 1)
-                if chain:
-                    tree = merge_chain(tree, torch.tensor(chain), self.lookup_logprob)
-            prefix_visible = torch.ones(1, self.budget, position, dtype=torch.bool)
+            chain = lookup_draft(context, depth=self.drafter.block_size - 1) if self.lookup else []
+            if not self.head:
+                tree = chain_tree(anchor, [chain], self.budget - 1, self.lookup_scores)
+            else:
+                draft_logprobs = self.drafter.propose(anchor, position).float().log_softmax(-1)
+                tree = build_tree(anchor, draft_logprobs, self.budget, self.width)
+                if self.refresh:  # second head pass over the tree: branch-specific children (method §3)
+                    node_logprobs = self.drafter.refresh(tree, position).float().log_softmax(-1)
+                    tree = refreshed_tree(tree, node_logprobs, draft_logprobs, self.width)
+                if chain:  # after the refresh, which rebuilds the tree from the head's log-probs
+                    tree = merge_chain(tree, torch.tensor(chain), self.lookup_scores)
+            prefix_visible = torch.ones(1, tree.budget, position, dtype=torch.bool)
             mask = torch.cat([prefix_visible, tree.ancestors], -1)[:, None]
             logits, features = target.forward(tree.tokens, tree.positions(torch.tensor([position])), cache, mask)
             acceptance = accept_tree(tree, pick(logits), max_depth=self.drafter.block_size - 1)
@@ -173,7 +183,8 @@ class ReferenceEngine:
             accepted = int(acceptance.num_accepted[0])
             path = acceptance.path[0, : accepted + 1]
             compact_cache(cache, torch.cat([torch.arange(position), position + path]))
-            self.drafter.extend(features[:, path])
+            if self.head:
+                self.drafter.extend(features[:, path])
             result.accept_lengths.append(accepted)
             committed = acceptance.committed_tokens(tree)[0, : accepted + 1].tolist()
             done = _finish(result.tokens, committed, eos, max_new_tokens)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -186,13 +187,14 @@ def refreshed_tree(tree: DraftTree, node_logprobs: Tensor, draft_logprobs: Tenso
     )
 
 
-def merge_chain(tree: DraftTree, chain: Tensor, chain_logprob: float) -> DraftTree:
+def merge_chain(tree: DraftTree, chain: Tensor, chain_scores: Sequence[float]) -> DraftTree:
     """Put a token chain (depths 1..L after the root, e.g. a prompt-lookup continuation) into
     a batch-1 tree without changing its budget: the "free branch".
 
     The chain walks down from the root as far as the tree already holds it; each remaining
     chain token becomes a new node (child of the previous chain node) scored
-    depth * chain_logprob, appended at the end, as long as it strictly beats the weakest
+    chain_scores[depth - 1] (non-increasing; past its end, its last step repeats), appended
+    at the end, as long as it strictly beats the weakest
     removable leaf, which it replaces. Leaves are removed iteratively (a parent whose children
     are all gone becomes a leaf), never the root or a node of the chain's shared prefix; ties
     remove the later node. Kept nodes stay in their order and new nodes follow, so the order
@@ -214,7 +216,8 @@ def merge_chain(tree: DraftTree, chain: Tensor, chain_logprob: float) -> DraftTr
     protected = set(shared)
     rest = chain[len(shared) - 1 :]
     first_depth = len(shared)  # depth of the first new chain node
-    new_scores = [float(torch.tensor((first_depth + k) * chain_logprob, dtype=torch.float32)) for k in range(len(rest))]
+    scores_by_depth = chain_depth_scores(chain_scores, first_depth + len(rest))
+    new_scores = [float(torch.tensor(scores_by_depth[first_depth + k - 1], dtype=torch.float32)) for k in range(len(rest))]
 
     # Each new chain node (scores fall along the chain) replaces the weakest removable leaf it beats.
     children = [0] * budget
@@ -257,6 +260,49 @@ def merge_chain(tree: DraftTree, chain: Tensor, chain_logprob: float) -> DraftTr
         depths=as_row(out_depths, torch.long),
         scores=as_row(out_scores, torch.float32),
         ancestors=ancestor_mask(out, max(out_depths)),
+    )
+
+
+def chain_depth_scores(chain_scores: Sequence[float], depths: int) -> list[float]:
+    """`chain_scores` for depths 1..depths: past its end, its last step (or its only value) repeats."""
+    scores = [float(x) for x in chain_scores[:depths]]
+    if not scores:
+        raise ValueError("chain scores need at least one depth")
+    if scores[0] > 0 or any(b > a for a, b in zip(scores, scores[1:])):
+        raise ValueError(f"chain scores must be log-probabilities that never rise with depth, got {scores}")
+    step = scores[-1] - scores[-2] if len(scores) > 1 else scores[0]
+    while len(scores) < depths:
+        scores.append(scores[-1] + step)
+    return scores
+
+
+FILLER_SCORE = -1e4  # a node of a chain tree past its request's chain
+
+
+def chain_tree(anchors: Tensor, chains: Sequence[Sequence[int]], max_depth: int, chain_scores: Sequence[float]) -> DraftTree:
+    """Trees of token chains alone (e.g. prompt lookup, no head pass): each request's chain (at
+    most `max_depth` tokens) is a path below its anchor, scored `chain_scores` per depth as a
+    merged chain is. Shorter chains (or none) continue with filler nodes (the anchor's token)
+    scored far below any chain node, which pruning drops first; verifying one is harmless (it
+    is accepted only where the target picks that token)."""
+    length = min(max((len(c) for c in chains), default=0), max_depth)
+    device = anchors.device
+    scores = [0.0, *chain_depth_scores(chain_scores, length)] if length else [0.0]
+    rows_tokens, rows_scores = [], []
+    for anchor, chain in zip(anchors.tolist(), chains):
+        chain = [int(t) for t in chain[:length]]
+        filler = length - len(chain)
+        rows_tokens.append([anchor, *chain, *[anchor] * filler])
+        rows_scores.append(scores[: len(chain) + 1] + [FILLER_SCORE - k for k in range(filler)])
+    batch = len(rows_tokens)
+    depths = torch.arange(length + 1, device=device).expand(batch, -1).contiguous()
+    parents = depths - 1
+    return DraftTree(
+        tokens=torch.tensor(rows_tokens, dtype=torch.long, device=device),
+        parents=parents,
+        depths=depths,
+        scores=torch.tensor(rows_scores, dtype=torch.float32, device=device),
+        ancestors=ancestor_mask(parents, length),
     )
 
 

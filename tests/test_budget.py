@@ -174,8 +174,27 @@ def test_drafting_that_does_not_pay_is_skipped_with_a_probe_every_8th_round():
     skips = [policy.skip_draft(4) for _ in range(16)]
     assert skips == [True] * 7 + [False] + [True] * 7 + [False]  # every 8th round drafts (a probe)
     assert not policy.skip_draft(2)  # another batch size decides for itself
-    assert policy.skipped_drafts == 14 and policy.report()["chosen"] == {1: 14}
+    assert policy.skipped_drafts == 14 and policy.report()["chosen"] == {}  # the size is still chosen per round
     assert not BudgetPolicy(16, "static").skip_draft(4)
+
+
+def test_the_head_is_skipped_when_rounds_without_it_commit_faster():
+    """The head pays against a plain step (value > 1), but rounds without it (prompt-lookup
+    chains alone) have been paying more: skip it, probing every 8th round; once head rounds
+    measure better again, keep drafting."""
+    policy = _policy_with_costs(16, seconds_per_token=1e-3, fixed=0.02)
+    tree = prune_tree(chain_tree(1, 15, 0.5, 16), 4)
+    two, four = torch.tensor([[0, 1, -1, -1]]), torch.tensor([[0, 1, 2, 3]])
+    for _ in range(10):
+        policy.observe(tree, two, verify_seconds=0.024, draft_seconds=0.01)  # head rounds: 2 tokens
+        policy.observe(tree, four, verify_seconds=0.024, draft_seconds=None)  # lookup-only rounds: 4 tokens
+    assert 1 < policy.draft_value[1] < policy.bare_value[1]
+    assert [policy.skip_draft(1) for _ in range(8)] == [True] * 7 + [False]
+    root = prune_tree(tree, 1)
+    for _ in range(40):  # later text repeats nothing: rounds without the head commit one token
+        policy.observe(tree, four, verify_seconds=0.024, draft_seconds=0.001)
+        policy.observe(root, torch.tensor([[0]]), verify_seconds=0.02, draft_seconds=None)
+    assert policy.draft_value[1] > policy.bare_value[1] and not policy.skip_draft(1)
 
 
 def test_drafting_that_pays_keeps_drafting():

@@ -10,6 +10,7 @@ from conftest import hf_greedy
 from jetflow_sglang.accept import accept_tree
 from jetflow_sglang.drafter import HeadDrafter
 from jetflow_sglang.engine import ReferenceEngine, generate_ar
+from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.oracle import OracleDrafter
 from jetflow_sglang.tree import build_tree
 
@@ -53,8 +54,8 @@ def test_random_head_with_lookup_is_lossless(target, random_head, prompt_ids, gr
     def on_round(position, tree, acceptance):
         nonlocal merged_rounds
         assert tree.budget == budget
-        # Lookup nodes score exactly depth * lookup_logprob (in fp32); drafted ones never do.
-        lookup_scores = torch.tensor([d * engine.lookup_logprob for d in tree.depths[0].tolist()], dtype=torch.float32)
+        # Lookup nodes score exactly lookup_scores[depth - 1] (in fp32); drafted ones never do.
+        lookup_scores = torch.tensor([engine.lookup_scores[d - 1] if d else 0.0 for d in tree.depths[0].tolist()], dtype=torch.float32)
         merged_rounds += int((tree.scores[0, 1:] == lookup_scores[1:]).any())
 
     for ids, (reference, _) in zip(prompt_ids, greedy_runs):
@@ -67,9 +68,23 @@ def test_lookup_raises_tau_on_a_repetitive_prompt(target, random_head):
     ids = target.encode_prompt("1, 2, 3, 1, 2, 3, 1, 2, 3,", False)
     plain = ReferenceEngine(target, HeadDrafter(random_head), budget=64).generate(ids, 24)
     lookup = ReferenceEngine(target, HeadDrafter(random_head), budget=64, lookup=True).generate(ids, 24)
-    assert lookup.tokens == plain.tokens == generate_ar(target, ids, 24).tokens
+    alone = ReferenceEngine(target, HeadDrafter(random_head), budget=64, lookup=True, head=False).generate(ids, 24)
+    assert lookup.tokens == plain.tokens == alone.tokens == generate_ar(target, ids, 24).tokens
     assert lookup.tau > plain.tau
-    assert lookup.tau > 2.0
+    assert lookup.tau > 2.0 and alone.tau > 2.0
+
+
+def test_lookup_alone_is_lossless(target, random_head, prompt_ids, greedy_runs):
+    """No head pass: each round verifies the root and the lookup chain (a plain step when there is
+    none), never more nodes than the budget."""
+    engine = ReferenceEngine(target, HeadDrafter(random_head), budget=8, lookup=True, head=False)
+    sizes = set()
+    for ids, (reference, _) in zip(prompt_ids, greedy_runs):
+        result = engine.generate(ids, RANDOM_HEAD_NEW_TOKENS, on_round=lambda position, tree, acc: sizes.add(tree.budget))
+        assert result.tokens == reference[:RANDOM_HEAD_NEW_TOKENS]
+    assert 1 in sizes and 1 < max(sizes) <= 8, sizes
+    with pytest.raises(JetFlowError, match="nothing to draft"):
+        ReferenceEngine(target, HeadDrafter(random_head), budget=8, head=False)
 
 
 @pytest.mark.parametrize("refresh", [False, True], ids=["one-pass", "refresh"])

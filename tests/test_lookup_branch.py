@@ -13,7 +13,7 @@ import torch
 
 from jetflow_sglang.lookup import lookup_draft
 from jetflow_sglang.sglang_plugin.committed_ids import CommittedIds
-from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV, LookupBranch, lookup_enabled
+from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV, LookupBranch, lookup_enabled, lookup_mode
 from jetflow_sglang.tree import build_tree, merge_chain
 
 DEPTHS = 6
@@ -43,7 +43,7 @@ def test_each_row_gets_its_own_chain_and_the_rest_stay():
     merged = branch.merge(tree, chains)
     chain = lookup_draft(repeating + [3], DEPTHS)
     assert chains == [chain, []] and chain == [4, 5, 1, 2, 3, 4]
-    want = merge_chain(trees([3]), torch.tensor(chain), branch.chain_logprob)
+    want = merge_chain(trees([3]), torch.tensor(chain), branch.chain_scores)
     for field in ("tokens", "parents", "depths", "scores", "ancestors"):
         assert torch.equal(getattr(merged, field)[0], getattr(want, field)[0]), field
         assert torch.equal(getattr(merged, field)[1], getattr(tree, field)[1]), field
@@ -96,6 +96,27 @@ def test_switch_reads_zero_or_one(monkeypatch):
     assert lookup_enabled()
     monkeypatch.setenv(LOOKUP_ENV, "0")
     assert not lookup_enabled()
+    monkeypatch.setenv(LOOKUP_ENV, "only")
+    assert lookup_enabled() and lookup_mode() == "only"
     monkeypatch.setenv(LOOKUP_ENV, "yes")
     with pytest.raises(ValueError, match=LOOKUP_ENV):
         lookup_enabled()
+
+
+def test_chain_tree_holds_each_chain_below_its_anchor_and_prunes_filler_first():
+    """A round without the head: each request's chain is a path under its anchor, scored as a
+    merged chain would be; shorter chains are padded with filler that pruning removes first."""
+    from jetflow_sglang.tree import chain_depth_scores, prune_tree
+
+    branch = LookupBranch(DEPTHS)
+    tree = branch.chain_tree(torch.tensor([3, 14, 7]), [[4, 5, 1], [], [8]], cap=16)
+    assert tree.tokens.tolist() == [[3, 4, 5, 1], [14, 14, 14, 14], [7, 8, 7, 7]]
+    assert tree.parents.tolist() == [[-1, 0, 1, 2]] * 3 and tree.depths.tolist() == [[0, 1, 2, 3]] * 3
+    scores = [0.0, *chain_depth_scores(branch.chain_scores, 3)]
+    torch.testing.assert_close(tree.scores[0], torch.tensor(scores))
+    assert tree.scores[1, 1:].max() < -1e3 and tree.scores[2, 1] == scores[1] and tree.scores[2, 2:].max() < -1e3
+    assert torch.equal(tree.ancestors[0], torch.ones(4, 4, dtype=torch.bool).tril())
+    assert prune_tree(tree, 2).tokens.tolist() == [[3, 4], [14, 14], [7, 8]]
+    # The cap and the head's depth bound the chain.
+    assert branch.chain_tree(torch.tensor([3]), [[4, 5, 1, 2, 3, 4, 5, 1]], cap=4).tokens.tolist() == [[3, 4, 5, 1]]
+    assert branch.chain_tree(torch.tensor([3]), [list(range(20))], cap=64).budget == DEPTHS + 1

@@ -300,24 +300,32 @@ def test_greedy_token_ids_equal_no_spec_server(jetflow_server, cases, reference,
         if got["output_ids"] != want
     ]
     assert not mismatches, f"budget {jetflow_server.budget}, concurrency {concurrency}: {mismatches[:3]}"
-    cut_inside = 0
+    cut_inside = {"stop": 0, "length": 0}  # finish reason -> oracle prompts cut inside a commit
     for case, out in zip(cases, outputs):
         meta = out["meta_info"]
         tau = 1 + meta["spec_num_correct_drafts"] / meta["spec_verify_ct"]
-        if case["oracle"]:
-            # The oracle's true tokens sit in the tree most rounds: long accepted paths.
+        if case["oracle"] and not jetflow_server.adaptive:
+            # The oracle's true tokens sit in the tree most rounds: long accepted paths. (The
+            # adaptive server may skip the draft pass, oracle included, for rounds of lookup
+            # chains alone when those have been paying more at that batch size.)
             assert tau > 2.0, (case, meta)
             # SGLang counts a round's whole accepted path before EOS or max_new_tokens cuts it.
-            cut_inside += meta["spec_verify_ct"] + meta["spec_num_correct_drafts"] > len(out["output_ids"])
-    assert cut_inside >= 4, f"EOS / max_new_tokens cut inside a multi-token commit for only {cut_inside} oracle prompts"
+            if meta["spec_verify_ct"] + meta["spec_num_correct_drafts"] > len(out["output_ids"]):
+                cut_inside[meta["finish_reason"]["type"]] += 1
+    assert jetflow_server.adaptive or (cut_inside["stop"] >= 1 and cut_inside["length"] >= 1 and sum(cut_inside.values()) >= 4), (
+        f"EOS / max_new_tokens cuts inside a multi-token commit: {cut_inside}"
+    )
     oracle_taus = [
         1 + o["meta_info"]["spec_num_correct_drafts"] / o["meta_info"]["spec_verify_ct"]
         for c, o in zip(cases, outputs)
         if c["oracle"]
     ]
-    print(f"budget {jetflow_server.budget} concurrency {concurrency}: oracle tau {sum(oracle_taus) / len(oracle_taus):.2f}")
+    print(f"budget {jetflow_server.budget} concurrency {concurrency}: oracle tau {sum(oracle_taus) / len(oracle_taus):.2f}",
+          sorted(round(t, 2) for t in oracle_taus))  # fmt: skip
+    if not jetflow_server.adaptive:
+        assert sorted(oracle_taus)[len(oracle_taus) // 2] > 2.0, oracle_taus  # most oracle prompts draft long paths
     budget_report = last_profile(jetflow_server.log)["tree_sizes"]
-    print(f"tree sizes chosen (rounds): {budget_report['chosen']}")
+    print(f"tree sizes chosen (rounds): {budget_report['chosen']}, head skipped in {budget_report['skipped_drafts']} rounds")
     sizes = {int(n) for n in budget_report["chosen"]}
     if jetflow_server.adaptive:
         assert len(sizes) >= 3 and max(sizes) <= ADAPTIVE_CAP, budget_report  # sizes vary round by round
@@ -382,8 +390,9 @@ def test_published_dflash_layout_head_serves_unchanged(target_dir, cases, refere
 @pytest.mark.slow
 def test_lookup_branch_raises_tau_and_switches_off(target_dir, head_dir, cases, reference, tmp_path):
     """The free branch (each request's prompt-lookup continuation merged into its tree) is on by
-    default (the servers above run with it); with JETFLOW_LOOKUP=0 the head drafts alone. Both
-    return the no-spec ids; on text that repeats its context, lookup commits more per round.
+    default (the servers above run with it); with JETFLOW_LOOKUP=0 the head drafts alone, with
+    JETFLOW_LOOKUP=only the lookup chains are verified alone (no head pass). All return the
+    no-spec ids; on text that repeats its context, lookup commits more per round.
     Cross-engine: each request's verify rounds and accepted drafts equal the HF reference
     engine's for the same head, budget and lookup setting (fp32), over 16-token prefill chunks
     and again on radix-cache hits, so the server's drafting (paged head context written by
@@ -401,7 +410,7 @@ def test_lookup_branch_raises_tau_and_switches_off(target_dir, head_dir, cases, 
     requests = [cases[i] for i in picked] + [repetitive]
     target, head = load_target_and_head(target_dir, head_dir, torch.float32)
     results = {}
-    for lookup in ("1", "0"):
+    for lookup in ("1", "0", "only"):
         server = sglang_server.start(
             target_dir, tmp_path / f"lookup{lookup}.log", *sglang_server.jetflow_args(head_dir, 16),
             "--chunked-prefill-size", "16", env={"JETFLOW_LOOKUP": lookup},
@@ -414,7 +423,7 @@ def test_lookup_branch_raises_tau_and_switches_off(target_dir, head_dir, cases, 
         for i, out in zip(picked, outputs):
             assert out["output_ids"] == reference["output_ids"][i], (lookup, i)
         assert all(out["meta_info"]["cached_tokens"] > 0 for out in again)
-        engine = ReferenceEngine(target, HeadDrafter(head), budget=16, lookup=lookup == "1")
+        engine = ReferenceEngine(target, HeadDrafter(head), budget=16, lookup=lookup != "0", head=lookup != "only")
         for case, out, hit in zip(requests, outputs, again):
             local = engine.generate(case["ids"], case["max_new_tokens"])
             for served in (out, hit):
@@ -424,9 +433,10 @@ def test_lookup_branch_raises_tau_and_switches_off(target_dir, head_dir, cases, 
                     lookup, case, local.accept_lengths)  # fmt: skip
         meta = outputs[-1]["meta_info"]
         results[lookup] = (outputs[-1]["output_ids"], 1 + meta["spec_num_correct_drafts"] / meta["spec_verify_ct"])
-    assert results["1"][0] == results["0"][0] and len(results["1"][0]) == 40
-    print(f"repetitive prompt, budget 16: tau with lookup {results['1'][1]:.2f}, head alone {results['0'][1]:.2f}")
-    assert results["1"][1] > results["0"][1] + 0.5 and results["1"][1] > 3.0, results
+    assert results["1"][0] == results["0"][0] == results["only"][0] and len(results["1"][0]) == 40
+    print(f"repetitive prompt, budget 16: tau with lookup {results['1'][1]:.2f}, head alone {results['0'][1]:.2f}, "
+          f"lookup alone {results['only'][1]:.2f}")  # fmt: skip
+    assert results["1"][1] > results["0"][1] + 0.5 and results["1"][1] > 3.0 and results["only"][1] > 3.0, results
 
 
 @pytest.mark.slow

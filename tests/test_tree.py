@@ -11,11 +11,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from jetflow_sglang.lookup import CHAIN_SCORES
 from jetflow_sglang.tree import (
     MAX_BUDGET,
     DraftTree,
     ancestor_mask,
     build_tree,
+    chain_depth_scores,
     full_mask,
     max_tree_nodes,
     merge_chain,
@@ -605,19 +607,22 @@ def merge_inputs(draw):
     start = list(path[: draw(st.integers(0, len(path)))])
     tail = draw(st.integers(1 if len(start) < depths else 0, depths - len(start)))
     chain = start + draw(st.lists(st.integers(0, vocab - 1), min_size=tail, max_size=tail))
-    chain_logprob = draw(st.sampled_from([0.0, math.log(0.999), math.log(0.9), math.log(0.6), math.log(0.2), -1e3]))
-    return tree, chain, chain_logprob, budget
+    # One log-prob per depth (geometric), or the measured per-depth table of prompt lookup.
+    geometric = st.sampled_from([0.0, math.log(0.999), math.log(0.9), math.log(0.6), math.log(0.2), -1e3]).map(lambda x: [x])
+    chain_scores = draw(st.one_of(geometric, st.just(list(CHAIN_SCORES))))
+    return tree, chain, chain_scores, budget
 
 
 @SETTINGS
 @given(merge_inputs())
 def test_merge_chain_keeps_budget_and_structure(inputs):
-    tree, chain, chain_logprob, budget = inputs
-    merged = merge_chain(tree, torch.tensor(chain), chain_logprob)
+    tree, chain, chain_scores, budget = inputs
+    merged = merge_chain(tree, torch.tensor(chain), chain_scores)
     check_merged_structure(merged, budget)
     assert merged.tokens[0, 0] == tree.tokens[0, 0]
     shared = shared_prefix_len(tree, chain)
-    new_scores = [float(np.float32((d + 1) * chain_logprob)) for d in range(shared, len(chain))]
+    by_depth = chain_depth_scores(chain_scores, len(chain))
+    new_scores = [float(np.float32(by_depth[d])) for d in range(shared, len(chain))]
     leaves = removable_leaves(tree, chain)
     if merged is tree:
         # Nothing got in: the chain is already there, no leaf can go, or the first new node loses.
@@ -651,10 +656,10 @@ def test_merge_chain_winning_chain_is_a_root_path(inputs):
     shared = shared_prefix_len(tree, chain)
     if budget - 1 - shared < len(chain) - shared:
         return  # not enough non-chain nodes to give up
-    merged = merge_chain(tree, torch.tensor(chain), 0.0)  # score 0 beats every leaf unless tied at 0
+    merged = merge_chain(tree, torch.tensor(chain), [0.0])  # score 0 beats every leaf unless tied at 0
     if tree.scores[0, 1:].numel() and tree.scores[0, 1:].max().item() < 0:
         assert shared_prefix_len(merged, chain) == len(chain)
-    assert_trees_equal(merged, merge_chain(tree, torch.tensor(chain), 0.0))
+    assert_trees_equal(merged, merge_chain(tree, torch.tensor(chain), [0.0]))
 
 
 @SETTINGS
@@ -663,8 +668,8 @@ def test_merge_chain_inside_the_tree_changes_nothing(inputs, data):
     anchors, logprobs, budget, width = inputs
     tree = build_tree(anchors, logprobs, budget, width)
     path = data.draw(st.sampled_from(token_paths(tree, 0)[1:] or [()]))
-    for chain_logprob in (0.0, math.log(0.6)):
-        assert merge_chain(tree, torch.tensor(path, dtype=torch.long), chain_logprob) is tree
+    for chain_scores in ([0.0], [math.log(0.6)], CHAIN_SCORES):
+        assert merge_chain(tree, torch.tensor(path, dtype=torch.long), chain_scores) is tree
 
 
 def test_merge_chain_hand_made():
@@ -673,29 +678,37 @@ def test_merge_chain_hand_made():
     tree = build_tree(torch.tensor([9]), probs.log(), 4, width=3)
     assert tree.tokens.tolist() == [[9, 0, 0, 1]]
     # Chain (1, 2): shares node 3; its depth-2 node at .5^2 = .25 loses to the leaf at .42.
-    assert merge_chain(tree, torch.tensor([1, 2]), math.log(0.5)) is tree
+    assert merge_chain(tree, torch.tensor([1, 2]), [math.log(0.5)]) is tree
     # At .9^2 = .81 it replaces that leaf; node 1 becomes a leaf and stays.
-    merged = merge_chain(tree, torch.tensor([1, 2]), math.log(0.9))
+    merged = merge_chain(tree, torch.tensor([1, 2]), [math.log(0.9)])
     assert merged.tokens.tolist() == [[9, 0, 1, 2]]
     assert merged.parents.tolist() == [[-1, 0, 0, 2]]
     assert merged.depths.tolist() == [[0, 1, 1, 2]]
     np.testing.assert_allclose(merged.scores[0].numpy(), np.log([1.0, 0.6, 0.3, 0.81]), atol=1e-6)
     # Chain (2, 0) shares nothing: it takes the .3 leaf, then the .42 leaf (node 1 is now a leaf too).
-    merged = merge_chain(tree, torch.tensor([2, 0]), math.log(0.9))
+    merged = merge_chain(tree, torch.tensor([2, 0]), [math.log(0.9)])
     assert merged.tokens.tolist() == [[9, 0, 2, 0]]
     assert merged.parents.tolist() == [[-1, 0, 0, 2]]
     assert merged.depths.tolist() == [[0, 1, 1, 2]]
     np.testing.assert_allclose(merged.scores[0].numpy(), np.log([1.0, 0.6, 0.9, 0.81]), atol=1e-6)
     # Only as many as win: (2, 0) at .35 beats the .3 leaf, but .35^2 loses to .42.
-    merged = merge_chain(tree, torch.tensor([2, 0]), math.log(0.35))
+    merged = merge_chain(tree, torch.tensor([2, 0]), [math.log(0.35)])
     assert merged.tokens.tolist() == [[9, 0, 0, 2]] and merged.parents.tolist() == [[-1, 0, 1, 0]]
+    # Scores per depth need not be geometric: (2, 0) at .35 then .35 * .97 gets in whole only if
+    # its depth-2 score beats .42 (here it does not); at .9 then .45 it does.
+    assert merge_chain(tree, torch.tensor([2, 0]), [math.log(0.35), math.log(0.34)]).tokens.tolist() == [[9, 0, 0, 2]]
+    merged = merge_chain(tree, torch.tensor([2, 0]), [math.log(0.9), math.log(0.45)])
+    assert merged.tokens.tolist() == [[9, 0, 2, 0]]
+    np.testing.assert_allclose(merged.scores[0].numpy(), np.log([1.0, 0.6, 0.9, 0.45]), atol=1e-6)
+    with pytest.raises(ValueError, match="never rise"):
+        merge_chain(tree, torch.tensor([2, 0]), [math.log(0.3), math.log(0.4)])
     # A tie with the weakest leaf does not get in.
-    assert merge_chain(tree, torch.tensor([2]), float(tree.scores[0, 3])) is tree
+    assert merge_chain(tree, torch.tensor([2]), [float(tree.scores[0, 3])]) is tree
     # The root is never removed: a root-only tree takes nothing.
     root_only = build_tree(torch.tensor([9]), probs.log(), 1, width=3)
-    assert merge_chain(root_only, torch.tensor([2, 0]), 0.0) is root_only
+    assert merge_chain(root_only, torch.tensor([2, 0]), [0.0]) is root_only
     with pytest.raises(ValueError):
-        merge_chain(build_tree(torch.tensor([9, 9]), probs.log().expand(2, -1, -1), 4, width=3), torch.tensor([1]), 0.0)
+        merge_chain(build_tree(torch.tensor([9, 9]), probs.log().expand(2, -1, -1), 4, width=3), torch.tensor([1]), [0.0])
 
 
 # --------------------------------------------------------------------------- pruning (adaptive budget)
@@ -729,8 +742,8 @@ def test_prune_head_tree_is_the_smaller_best_first_tree(inputs, data):
 def test_prune_merged_tree_keeps_ancestors_and_best_capped_scores(inputs, data):
     """After a lookup merge (chain nodes may outscore their parents) every pruned tree is still a
     tree: closed under ancestors, topological, and it keeps the n best nodes by capped score."""
-    tree, chain, chain_logprob, budget = inputs
-    merged = merge_chain(tree, torch.tensor(chain), chain_logprob)
+    tree, chain, chain_scores, budget = inputs
+    merged = merge_chain(tree, torch.tensor(chain), chain_scores)
     n = data.draw(st.integers(1, budget))
     pruned = prune_tree(merged, n)
     check_merged_structure(pruned, n)
@@ -769,8 +782,8 @@ def test_prune_hand_made_chain_beats_its_parent():
 def test_prune_by_any_priority_is_a_tree_of_the_best_capped_nodes(inputs, data):
     """The adaptive budget prunes by calibrated probabilities, in any order relative to the
     scores: the kept nodes are still a topological tree holding the best capped priorities."""
-    tree, chain, chain_logprob, budget = inputs
-    merged = merge_chain(tree, torch.tensor(chain), chain_logprob)
+    tree, chain, chain_scores, budget = inputs
+    merged = merge_chain(tree, torch.tensor(chain), chain_scores)
     seed = data.draw(st.integers(0, 2**16))
     priority = torch.rand(merged.scores.shape, generator=torch.Generator().manual_seed(seed))
     n = data.draw(st.integers(1, budget))

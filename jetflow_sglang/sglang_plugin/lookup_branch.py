@@ -15,24 +15,32 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from jetflow_sglang.lookup import CHAIN_LOGPROB, lookup_draft
-from jetflow_sglang.tree import DraftTree, merge_chain
+from jetflow_sglang.lookup import CHAIN_SCORES, lookup_draft
+from jetflow_sglang.tree import DraftTree, chain_tree, merge_chain
 
 from .committed_ids import CommittedIds
 
 LOOKUP_ENV = "JETFLOW_LOOKUP"
+LOOKUP_MODES = ("0", "1", "only")
+
+
+def lookup_mode() -> str:
+    """`JETFLOW_LOOKUP`: 1 (default) merges each request's lookup chain into the head's tree, 0
+    drafts with the head alone, `only` verifies the lookup chains alone and never runs the head
+    (the training-free baseline, in the same server)."""
+    value = os.environ.get(LOOKUP_ENV, "1")
+    if value not in LOOKUP_MODES:
+        raise ValueError(f"{LOOKUP_ENV} must be one of {', '.join(LOOKUP_MODES)}, got {value!r}")
+    return value
 
 
 def lookup_enabled() -> bool:
-    value = os.environ.get(LOOKUP_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{LOOKUP_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return lookup_mode() != "0"
 
 
 class LookupBranch:
-    def __init__(self, depths: int, chain_logprob: float = CHAIN_LOGPROB) -> None:
-        self.depths, self.chain_logprob = depths, chain_logprob
+    def __init__(self, depths: int, chain_scores: Sequence[float] = CHAIN_SCORES) -> None:
+        self.depths, self.chain_scores = depths, chain_scores
 
     def chains(self, reqs: Sequence, seq_lens: Tensor, anchors: Tensor, committed: CommittedIds) -> list[list[int]]:
         """Each request's prompt-lookup continuation after its anchor ([] when none or unknown)."""
@@ -48,13 +56,18 @@ class LookupBranch:
         for i, chain in enumerate(chains):
             row = _row(tree, i)
             if chain:
-                merged = merge_chain(row, torch.tensor(chain, device=tree.tokens.device), self.chain_logprob)
+                merged = merge_chain(row, torch.tensor(chain, device=tree.tokens.device), self.chain_scores)
                 changed = changed or merged is not row
                 row = merged
             rows.append(row)
         if not changed:
             return tree
         return DraftTree(*(torch.cat([getattr(r, f) for r in rows]) for f in ("tokens", "parents", "depths", "scores", "ancestors")))
+
+
+    def chain_tree(self, anchors: Tensor, chains: Sequence[Sequence[int]], cap: int) -> DraftTree:
+        """A round without the head: the lookup chains alone (`tree.chain_tree`), at most `cap` nodes."""
+        return chain_tree(anchors, chains, min(cap - 1, self.depths), self.chain_scores)
 
 
 def _row(tree: DraftTree, i: int) -> DraftTree:

@@ -48,7 +48,7 @@ from jetflow_sglang.tree import DraftTree, prune_tree, root_only
 
 from .committed_ids import CommittedIds
 from .feature_dump import FeatureDump
-from .lookup_branch import LookupBranch, lookup_enabled
+from .lookup_branch import LookupBranch, lookup_mode
 from .node_acceptance import accept_round
 from .proposer import DraftRequest, HeadProposer, OracleProposer, Proposer
 from .spec_algo import request_error
@@ -88,7 +88,8 @@ class JetFlowWorker(BaseSpecWorker):
         # Before the target's attention backends and graphs are set up (scheduler order).
         model.set_dflash_layers_to_capture(list(head.config.target_layer_ids))
         self.proposer: Optional[Proposer] = None
-        self.lookup = LookupBranch(self.depths) if lookup_enabled() else None
+        self.lookup = LookupBranch(self.depths) if lookup_mode() != "0" else None
+        self.lookup_only = lookup_mode() == "only"  # the head never drafts: the baseline
         self.budget_policy = policy_from_env(self.budget, self.device)  # static: always the cap
         self.committed_ids = CommittedIds()  # token ids with KV per request (overlap: req.output_ids lags)
         self.profile = os.environ.get(PROFILE_ENV, "") == "1"
@@ -134,6 +135,9 @@ class JetFlowWorker(BaseSpecWorker):
                 logger.warning("JETFLOW: adaptive tree budget off under CUDA graphs (captured at the cap only); "
                                "--cuda-graph-backend-decode disabled turns it on")  # fmt: skip
                 self.budget_policy.mode = "static"
+            if self.lookup_only:  # lookup-only trees vary in size; the verify graphs do not
+                logger.warning("JETFLOW: JETFLOW_LOOKUP=only is off under CUDA graphs; the head drafts with the lookup branch")
+                self.lookup_only = False
         elif os.environ.get(DRAFT_PADDING_ENV) == "1":
             logger.warning("JETFLOW: draft pass padded to batch sizes %s without capture (test)", TEST_DRAFT_BATCH_SIZES)
             self.head_proposer.use_graphs(TEST_DRAFT_BATCH_SIZES, "padded")
@@ -221,14 +225,20 @@ class JetFlowWorker(BaseSpecWorker):
             self.timings[name] += now - start
         return now
 
-    def _draft_tree(self, request: DraftRequest, chains: Optional[list], t: float) -> tuple[DraftTree, float]:
-        """Draft pass -> best-first tree at the cap -> free branch (lookup chains) -> this round's size."""
-        logits = self.proposer.propose(request)
-        t = self._tick("draft", t)
-        topk_logprobs, topk_tokens = logits.float().log_softmax(-1).topk(min(self.width, logits.shape[-1]), dim=-1)
-        tree = build_tree_from_topk(request.anchors, topk_logprobs, topk_tokens, self.budget)
-        if chains is not None:
-            tree = self.lookup.merge(tree, chains)
+    def _draft_tree(self, request: DraftRequest, chains: Optional[list], head_drafts: bool, t: float) -> tuple[DraftTree, float]:
+        """Draft pass -> best-first tree at the cap -> free branch (lookup chains) -> this round's
+        size. Without the head: the lookup chains alone, or the root alone where none was found."""
+        if head_drafts:
+            logits = self.proposer.propose(request)
+            t = self._tick("draft", t)
+            topk_logprobs, topk_tokens = logits.float().log_softmax(-1).topk(min(self.width, logits.shape[-1]), dim=-1)
+            tree = build_tree_from_topk(request.anchors, topk_logprobs, topk_tokens, self.budget)
+            if chains is not None:
+                tree = self.lookup.merge(tree, chains)
+        elif any(chains or ()):
+            tree = self.lookup.chain_tree(request.anchors, chains, self.budget)
+        else:
+            tree = root_only(request.anchors)
         size, priority = self.budget_policy.choose(tree)
         return prune_tree(tree, size, priority), t
 
@@ -247,12 +257,11 @@ class JetFlowWorker(BaseSpecWorker):
         )
         self.committed_ids.keep_only(batch.reqs)
         chains = self.lookup.chains(batch.reqs, seq_lens, anchors, self.committed_ids) if self.lookup else None
-        # Adaptive: where drafting has not paid lately, the root alone without a draft pass,
-        # unless prompt lookup found a continuation for some request this round.
-        drafted = any(chains or ()) or not self.budget_policy.skip_draft(bs)
-        tree, t = self._draft_tree(request, chains, t) if drafted else (root_only(anchors), t)
+        # Adaptive: where the head's draft pass has not paid lately, rounds go without it.
+        head_drafts = not self.lookup_only and not self.budget_policy.skip_draft(bs)
+        tree, t = self._draft_tree(request, chains, head_drafts, t)
         budget = tree.budget  # this round's verify width (adaptive: up to the cap)
-        draft_seconds = self.budget_policy.clock() - round_start if drafted else None
+        draft_seconds = self.budget_policy.clock() - round_start if head_drafts else None
         masks = tree_masks(tree.parents, tree.depths, seq_lens, packed=False)
         spec_input = verify_input(
             masks.full_mask, budget, self.depths, self.width,
