@@ -239,7 +239,7 @@ class BudgetPolicy:
         """This round's tree size, and the node priority to prune the tree to it by (None: the
         tree's own scores)."""
         if self.mode == "static":
-            size, probs = self.cap, None
+            size, probs = min(self.cap, tree.budget), None  # a lookup-only tree may be smaller
         elif self.mode == "sweep":
             ladder = [n for n in self.ladder if n <= tree.budget]
             size, probs = ladder[sum(self.chosen.values()) % len(ladder)], None

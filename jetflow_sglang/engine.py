@@ -10,8 +10,8 @@ path's target KV (cache compacted to it) and hand its features to the drafter.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch

@@ -64,7 +64,6 @@ class LookupBranch:
             return tree
         return DraftTree(*(torch.cat([getattr(r, f) for r in rows]) for f in ("tokens", "parents", "depths", "scores", "ancestors")))
 
-
     def chain_tree(self, anchors: Tensor, chains: Sequence[Sequence[int]], cap: int) -> DraftTree:
         """A round without the head: the lookup chains alone (`tree.chain_tree`), at most `cap` nodes."""
         return chain_tree(anchors, chains, min(cap - 1, self.depths), self.chain_scores)
