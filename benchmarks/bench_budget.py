@@ -33,6 +33,17 @@ from jetflow_sglang.served import BenchConfig, last_profile, _request, bench_pro
 from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV
 
 
+def _run(client, model: str, prompts: list, config: BenchConfig, concurrency: int) -> dict:
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda p: _request(client, model, p, config), prompts))
+    seconds = time.perf_counter() - start
+    tokens = sum(r["tokens"] for r in results)
+    taus = [r["tau"] for r in results if r["tau"] is not None]
+    return {"tokens_per_s": tokens / seconds, "tau": statistics.median(taus) if taus else None,
+            "texts": [r["text"] for r in results]}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--head", default="default", help="default, random, or a head directory")
