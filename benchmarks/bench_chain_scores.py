@@ -62,7 +62,7 @@ def main() -> None:
     for name in VARIANTS:
         print(f"| {name} | " + " | ".join(f"{r['tau']:.2f}" for r in rows if r["variant"] == name) + " |")
     if args.out:
-        Path(args.out).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
