@@ -48,7 +48,7 @@ from jetflow_sglang.tree import DraftTree, prune_tree, root_only
 
 from .committed_ids import CommittedIds
 from .feature_dump import FeatureDump
-from .lookup_branch import LookupBranch, lookup_mode
+from .lookup_branch import LookupBranch, lookup_enabled, lookup_mode
 from .node_acceptance import accept_round
 from .proposer import DraftRequest, HeadProposer, OracleProposer, Proposer
 from .spec_algo import request_error
@@ -88,7 +88,7 @@ class JetFlowWorker(BaseSpecWorker):
         # Before the target's attention backends and graphs are set up (scheduler order).
         model.set_dflash_layers_to_capture(list(head.config.target_layer_ids))
         self.proposer: Optional[Proposer] = None
-        self.lookup = LookupBranch(self.depths) if lookup_mode() != "0" else None
+        self.lookup = LookupBranch(self.depths) if lookup_enabled() else None
         self.lookup_only = lookup_mode() == "only"  # the head never drafts: the baseline
         self.budget_policy = policy_from_env(self.budget, self.device)  # static: always the cap
         self.committed_ids = CommittedIds()  # token ids with KV per request (overlap: req.output_ids lags)
