@@ -22,7 +22,6 @@ import functools
 import json
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -32,136 +31,11 @@ from torch import Tensor, nn
 
 from jetflow_sglang import published
 from jetflow_sglang.errors import JetFlowError
+from jetflow_sglang.head_config import ARCHITECTURE, JetFlowConfig, default_tap_layers
 
-ARCHITECTURE = "JetFlowDraftModel"
+__all__ = ["ARCHITECTURE", "WEIGHTS_FILE", "JetFlowConfig", "JetFlowHead", "default_tap_layers"]
+
 WEIGHTS_FILE = "model.safetensors"
-
-
-def default_tap_layers(num_target_layers: int) -> list[int]:
-    """Five taps spread over the target's depth: [1, L/4, L/2, 3L/4, L-3] (0-indexed layer outputs)."""
-    n = num_target_layers
-    taps = [1, n // 4, n // 2, (3 * n) // 4, n - 3]
-    return sorted({min(max(t, 0), n - 1) for t in taps})
-
-
-@dataclass
-class JetFlowConfig:
-    target_hidden_size: int
-    target_vocab_size: int
-    target_num_layers: int
-    target_layer_ids: list[int]
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    num_layers: int = 2
-    block_size: int = 16
-    causal: bool = True
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 8192
-    mask_token_id: int = -1  # -1: target_vocab_size (a virtual id past the target vocabulary)
-    draft_vocab_size: int = 0  # 0: draft over the whole target vocabulary; else over `draft_vocab` ids only
-    tap_norm: bool = False  # RMS-normalize each tapped layer's features before `fc` (new heads: on)
-    anchor_fusion: bool = False  # the anchor slot also reads the projected features of the token before it
-    qk_norm: bool = False  # Qwen3-style per-head RMSNorm of q and k (the context K too), as published DFlash heads
-    mask_from_target: bool = False  # MASK is the target embedding row `mask_token_id` (published heads), not a parameter
-
-    def __post_init__(self) -> None:
-        if self.mask_token_id < 0:
-            if self.mask_from_target:
-                raise JetFlowError("a head whose MASK is a target embedding row needs mask_token_id")
-            self.mask_token_id = self.target_vocab_size
-        if self.mask_from_target and not 0 <= self.mask_token_id < self.target_vocab_size:
-            raise JetFlowError(f"mask_token_id {self.mask_token_id} is not a row of the target's {self.target_vocab_size}-row embedding")
-        if self.mask_from_target and self.anchor_fusion:
-            # Anchor fusion tells MASK slots from tokens by id; a target row can also be a real token.
-            raise JetFlowError("anchor fusion needs the head's own MASK: drop --mask-token-id or use --no-anchor-fusion")
-        if self.block_size < 2:
-            raise JetFlowError(f"block size must be at least 2, got {self.block_size}")
-        if self.num_layers < 1:
-            raise JetFlowError(f"the head needs at least one layer, got {self.num_layers}")
-        if not self.target_layer_ids:
-            raise JetFlowError("the head needs at least one target tap layer")
-        if not 0 <= self.draft_vocab_size <= self.target_vocab_size:
-            raise JetFlowError(f"draft vocabulary size must be in 0..{self.target_vocab_size}, got {self.draft_vocab_size}")
-
-    @property
-    def hidden_size(self) -> int:
-        return self.target_hidden_size  # the head shares the target's embedding and lm_head
-
-    @classmethod
-    def for_target(cls, target_config, **overrides) -> "JetFlowConfig":
-        """A head shaped for a HF target config (attention shape and MLP width follow the target)."""
-        text = getattr(target_config, "text_config", None) or target_config
-        num_heads = text.num_attention_heads
-        rope = getattr(text, "rope_parameters", None) or {}
-        values = dict(
-            target_hidden_size=text.hidden_size,
-            target_vocab_size=text.vocab_size,
-            target_num_layers=text.num_hidden_layers,
-            target_layer_ids=default_tap_layers(text.num_hidden_layers),
-            num_attention_heads=num_heads,
-            num_key_value_heads=getattr(text, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // num_heads,
-            intermediate_size=text.intermediate_size,
-            rms_norm_eps=text.rms_norm_eps,
-            rope_theta=rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)),
-            max_position_embeddings=getattr(text, "max_position_embeddings", 8192),
-        )
-        values.update(overrides)
-        return cls(**values)
-
-    def check_fits_target(self, target_config) -> None:
-        text = getattr(target_config, "text_config", None) or target_config
-        if self.target_hidden_size != text.hidden_size:
-            raise JetFlowError(
-                f"head was built for target hidden size {self.target_hidden_size}, target has {text.hidden_size}"
-            )
-        if self.target_vocab_size != text.vocab_size:
-            raise JetFlowError(
-                f"head was built for target vocab size {self.target_vocab_size}, target has {text.vocab_size}"
-            )
-        bad = [i for i in self.target_layer_ids if not 0 <= i < text.num_hidden_layers]
-        if bad:
-            raise JetFlowError(f"head taps target layers {bad}, but the target has {text.num_hidden_layers} layers")
-
-    def to_json_dict(self) -> dict:
-        """config.json: a standard `llama` config (loads with AutoConfig) plus a `jetflow` section."""
-        jetflow = asdict(self)
-        return {
-            "architectures": [ARCHITECTURE],
-            "model_type": "llama",
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "max_position_embeddings": self.max_position_embeddings,
-            "vocab_size": self.target_vocab_size,
-            "tie_word_embeddings": False,
-            "jetflow": jetflow,
-        }
-
-    @classmethod
-    def from_json_dict(cls, data: dict) -> "JetFlowConfig":
-        """Our config.json (a `jetflow` section) or a published DFlash / JetSpec one."""
-        if "jetflow" in data:
-            values = data["jetflow"]
-        elif published.is_published_config(data):
-            values = published.config_values(data)
-        else:
-            raise JetFlowError("head config.json has neither a 'jetflow' section nor a DFlash 'dflash_config': not a draft head")
-        known = set(cls.__dataclass_fields__)
-        values = {k: v for k, v in values.items() if k in known}
-        try:
-            return cls(**values)
-        except TypeError as exc:
-            raise JetFlowError(f"head config.json is incomplete: {exc}") from None
 
 
 class RMSNorm(nn.Module):
@@ -190,17 +64,23 @@ LayerAttention = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q, block_k, bloc
 Attention = Callable[[int, Tensor, Tensor, Tensor], Tensor]  # the same, given the layer index first
 
 
-def dense_attention(context: list[tuple[Tensor, Tensor]], attn_mask: Tensor) -> Attention:
+def dense_attention(context: list[tuple[Tensor, Tensor]], attn_mask: Tensor | list[Tensor]) -> Attention:
     """Attention over dense context K/V (per layer [b, kv_heads, C, d]) then the block, under a
-    bool mask [b or 1, 1, Q, C + Q] over (context, block) keys."""
+    bool mask [b or 1, 1, Q, C + Q] over (context, block) keys, or one such mask per layer."""
 
     def attend(layer: int, q: Tensor, block_k: Tensor, block_v: Tensor) -> Tensor:
         context_k, context_v = context[layer]
         k = torch.cat([context_k, block_k], 2)
         v = torch.cat([context_v, block_v], 2)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=q.shape[1] != k.shape[1])
+        mask = attn_mask[layer] if isinstance(attn_mask, list) else attn_mask
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
     return attend
+
+
+def window_mask(visible: Tensor, query_positions: Tensor, key_positions: Tensor, window: int) -> Tensor:
+    """visible [b, Q, K] restricted to keys fewer than `window` positions before their query."""
+    return visible & (key_positions[:, None, :] > query_positions[:, :, None] - window)
 
 
 class HeadLayer(nn.Module):
@@ -399,11 +279,30 @@ class JetFlowHead(nn.Module):
         context_len = context[0][0].shape[2]
         if context_valid is None:
             context_valid = torch.ones(b, context_len, dtype=torch.bool, device=device)
-        mask = torch.cat(
-            [context_valid[:, None, :].expand(-1, block, -1), self.block_mask(block, device).expand(b, -1, -1)], -1
-        )[:, None]
+
+        def visible(causal: bool) -> Tensor:
+            within = torch.ones(block, block, dtype=torch.bool, device=device)
+            within = within.tril() if causal else within
+            return torch.cat([context_valid[:, None, :].expand(-1, block, -1), within.expand(b, -1, -1)], -1)
+
+        mask = self.layer_masks(visible, positions, context_len)
         hidden = self.forward_block(block_tokens, positions, context, mask, anchor_context)
         return self.logits(hidden[:, 1:])
+
+    def layer_masks(self, visible: Callable[[bool], Tensor], query_positions: Tensor, context_len: int) -> Tensor | list[Tensor]:
+        """The attention mask of a pass over context positions 0..C-1 then its queries [b, Q] at
+        `query_positions`: visible(causal) [b, Q, C + Q] as [b, 1, Q, C + Q], or, for heads with
+        sliding-window layers, one mask per layer (its causality, its window)."""
+        config = self.config
+        if not config.sliding_layers:
+            return visible(config.causal)[:, None]
+        context_positions = torch.arange(context_len, device=query_positions.device).expand(query_positions.shape[0], -1)
+        key_positions = torch.cat([context_positions, query_positions], 1)
+        masks = []
+        for layer in range(config.num_layers):
+            mask, window = visible(config.layer_causal(layer)), config.layer_window(layer)
+            masks.append((window_mask(mask, query_positions, key_positions, window) if window else mask)[:, None])
+        return masks
 
     def draft_block(self, anchors: Tensor, anchor_positions: Tensor) -> tuple[Tensor, Tensor]:
         """The draft block [anchor, MASK, ...] [b, B] and its positions [b, B]."""
@@ -414,7 +313,8 @@ class JetFlowHead(nn.Module):
 
     def draft_with(self, anchors: Tensor, anchor_positions: Tensor, attention: Attention, anchor_context: Tensor | None = None) -> Tensor:
         """`draft` with the attention over each request's context and the block supplied: draft
-        logits [b, B-1, V]. The attention must apply `block_mask` within the block."""
+        logits [b, B-1, V]. The attention must apply each layer's causality within the block and its
+        window (`config.layer_causal`, `config.layer_window`; context position j at slot j)."""
         block_tokens, positions = self.draft_block(anchors, anchor_positions)
         return self.logits(self.run_block(block_tokens, positions, attention, anchor_context)[:, 1:])
 
@@ -445,7 +345,8 @@ class JetFlowHead(nn.Module):
         context_len = context[0][0].shape[2]
         if context_valid is None:
             context_valid = torch.ones(b, context_len, dtype=torch.bool, device=device)
-        mask = torch.cat([context_valid[:, None, :].expand(-1, 2 * n, -1), block_mask], -1)[:, None]
+        visible = torch.cat([context_valid[:, None, :].expand(-1, 2 * n, -1), block_mask], -1)
+        mask = self.layer_masks(lambda _causal: visible, positions, context_len)  # the tree mask is causal already
         hidden = self.forward_block(tokens, positions, context, mask, anchor_context)  # node 0 is the anchor
         return self.logits(hidden[:, n:])
 

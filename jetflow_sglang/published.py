@@ -9,6 +9,8 @@ target_layer_ids}` (some keys also at top level); model.safetensors with `fc`,
 without a `model.` prefix. No embedding, no lm_head: the target's are used, and MASK is a
 row of the target's embedding. Causality: JetSpec's `dflash_config.causal_head`, vLLM's
 `dflash_config.causal`, SGLang's top-level `is_causal`; none of them means bidirectional.
+`layer_types` may mix in `sliding_attention` layers (causal, each query seeing the last
+`sliding_window` positions), read as SGLang's DFlash model reads them.
 
 Our heads map onto that layout when they have q/k norms, a target-row MASK, no per-tap
 feature norm, no anchor fusion and no pruned draft vocabulary (`export_problems` says
@@ -58,10 +60,29 @@ def _causal(data: dict) -> bool:
     return False
 
 
+def _sliding(data: dict) -> tuple[list[int], int]:
+    """(sliding-window layer indices, window) of a published config. As SGLang's DFlash model
+    reads them: a `sliding_attention` layer is causal (unless top-level `is_causal` is false,
+    which we refuse) and sees the last `sliding_window` positions, its own included."""
+    layer_types = data.get("layer_types") or []
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise JetFlowError(f"published head has layer types {unknown}: only full_attention and sliding_attention layers are supported")
+    if layer_types and len(layer_types) != int(data.get("num_hidden_layers", len(layer_types))):
+        raise JetFlowError(f"published head lists {len(layer_types)} layer_types for {data['num_hidden_layers']} layers")
+    sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    if not sliding:
+        return [], 0
+    if not data.get("sliding_window"):
+        raise JetFlowError("published head has sliding_attention layers but no sliding_window")
+    if data.get("is_causal") is False:
+        raise JetFlowError("published head has bidirectional sliding_attention layers (is_causal: false), which JETFLOW does not run")
+    return sliding, int(data["sliding_window"])
+
+
 def config_values(data: dict) -> dict:
     """JetFlowConfig fields of a published config.json; a clear error for what we do not run."""
-    if data.get("layer_types") and any(t != "full_attention" for t in data["layer_types"]):
-        raise JetFlowError(f"published head has layer types {sorted(set(data['layer_types']))}: only full_attention layers are supported")
+    sliding_layers, sliding_window = _sliding(data)
     for key in ("conv_kernel_size", "selector_rank", "projector_type", "attention_sink_bias"):
         if _get(data, key):
             raise JetFlowError(f"published head uses dflash_config.{key}, which JETFLOW does not run")
@@ -98,6 +119,8 @@ def config_values(data: dict) -> dict:
             mask_token_id=int(mask_token_id),
             qk_norm=True,
             mask_from_target=True,
+            sliding_layers=sliding_layers,
+            sliding_window=sliding_window,
         )
     except KeyError as exc:
         raise JetFlowError(f"published head config.json lacks {exc.args[0]!r}") from None
@@ -148,6 +171,12 @@ def published_config(config, fmt: str) -> dict:
     if fmt == "jetspec":
         dflash["causal_head"] = config.causal
     dflash["causal"] = config.causal
+    layer_types = ["sliding_attention" if i in config.sliding_layers else "full_attention" for i in range(config.num_layers)]
+    # SGLang's `is_causal` sets every layer's causality: a bidirectional head with (always causal)
+    # sliding layers leaves it out, so that each layer keeps its type's default.
+    is_causal = {} if config.sliding_layers and not config.causal else {"is_causal": config.causal}
+    # transformers' Qwen3Config keeps `sliding_window` only under `use_sliding_window`.
+    window = {"use_sliding_window": True, "sliding_window": config.sliding_window} if config.sliding_layers else {}
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
@@ -166,9 +195,10 @@ def published_config(config, fmt: str) -> dict:
         "tie_word_embeddings": False,
         "block_size": config.block_size,
         "num_target_layers": config.target_num_layers,
-        "is_causal": config.causal,
+        **is_causal,
         # SGLang reads `is_causal` only for layers that name their type.
-        "layer_types": ["full_attention"] * config.num_layers,
+        "layer_types": layer_types,
+        **window,
         "dflash_config": dflash,
     }
 

@@ -3,7 +3,9 @@
 The head's context K/V live in per-layer ``[slots, kv_heads, head_dim]`` buffers indexed by the
 target's KV slot ids, so a request's context is ``req_to_token[row, :seq_len]``, as for the
 target's own paged attention (page size 1). Each block query sees the whole context and the
-block keys the head allows (causal for JetFlow, all for a bidirectional DFlash-style head).
+block keys the head allows (causal for JetFlow, all for a bidirectional DFlash-style head);
+in a sliding-window layer only keys fewer than `window` positions back (context slot j is at
+position j, block slot i at seq_len + i).
 
 The kernel reads lengths and slots on the device (no host sync, fixed grid), so a draft pass
 made of it can be captured in a CUDA graph. Reference: ``paged_block_attention_reference``,
@@ -17,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from jetflow_sglang.head import dense_attention
+from jetflow_sglang.head import dense_attention, window_mask
 
 from ._dispatch import next_power_of_2, use_triton
 
@@ -41,6 +43,7 @@ def _paged_block_attention_kernel(
     req_to_token_stride,
     scale,
     CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,  # 0: no window
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -62,7 +65,11 @@ def _paged_block_attention_kernel(
 
     seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
     table = req_to_token_ptr + tl.load(req_pool_indices_ptr + req).to(tl.int64) * req_to_token_stride
-    for start in range(0, seq_len, BLOCK_N):
+    # Row i sees context keys j > seq_len + i - window: start at the first one row 0 sees.
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(seq_len - WINDOW + 1, 0)
+    for start in range(first, seq_len, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < seq_len
         slots = tl.load(table + cols, mask=col_ok, other=0).to(tl.int64)
@@ -70,10 +77,14 @@ def _paged_block_attention_kernel(
         k = tl.load(key_cache_ptr + kv_offsets, mask=col_ok[:, None], other=0.0)
         v = tl.load(value_cache_ptr + kv_offsets, mask=col_ok[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
-        scores = tl.where(col_ok[None, :], scores, float("-inf"))
+        visible = col_ok[None, :]
+        if WINDOW > 0:
+            visible = visible & (cols[None, :] > seq_len + rows[:, None] - WINDOW)
+        scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
-        weights = tl.exp(scores - new_max[:, None])
-        rescale = tl.exp(row_max - new_max)
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that has seen no key yet
+        weights = tl.exp(scores - safe_max[:, None])
+        rescale = tl.exp(row_max - safe_max)
         row_sum = row_sum * rescale + tl.sum(weights, 1)
         acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
         row_max = new_max
@@ -87,6 +98,8 @@ def _paged_block_attention_kernel(
     visible = col_ok[None, :] & row_ok[:, None]
     if CAUSAL:
         visible = visible & (cols[None, :] <= rows[:, None])
+    if WINDOW > 0:
+        visible = visible & (cols[None, :] > rows[:, None] - WINDOW)
     scores = tl.where(visible, tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, 1))
     new_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # padding rows see nothing
@@ -108,14 +121,16 @@ def paged_block_attention(
     req_pool_indices: Tensor,
     seq_lens: Tensor,
     causal: bool,
+    window: int = 0,
 ) -> Tensor:
     """Attention of block queries q [b, H, B, D] over each request's context (slots
     ``req_to_token[req_pool_indices[i], :seq_lens[i]]`` of key/value_cache [slots, Hkv, D]) and
-    the block keys block_k/v [b, Hkv, B, D] (causal or all). Returns [b, H, B, D]; softmax
-    scale 1/sqrt(D). Triton on CUDA or under TRITON_INTERPRET=1, else the torch reference."""
+    the block keys block_k/v [b, Hkv, B, D] (causal or all), only keys fewer than `window`
+    positions back if window > 0. Returns [b, H, B, D]; softmax scale 1/sqrt(D). Triton on
+    CUDA or under TRITON_INTERPRET=1, else the torch reference."""
     if not use_triton(q):
         return paged_block_attention_reference(
-            q, block_k, block_v, key_cache, value_cache, req_to_token, req_pool_indices, seq_lens, causal
+            q, block_k, block_v, key_cache, value_cache, req_to_token, req_pool_indices, seq_lens, causal, window
         )
     batch, heads, block, head_dim = q.shape
     kv_heads = block_k.shape[1]
@@ -140,6 +155,7 @@ def paged_block_attention(
         req_to_token.stride(0),
         head_dim**-0.5,
         CAUSAL=causal,
+        WINDOW=window,
         BLOCK_M=max(16, next_power_of_2(block)),
         BLOCK_N=BLOCK_N,
         HEAD_DIM=head_dim,
@@ -158,6 +174,7 @@ def paged_block_attention_reference(
     req_pool_indices: Tensor,
     seq_lens: Tensor,
     causal: bool,
+    window: int = 0,
 ) -> Tensor:
     """The head's own dense attention (`jetflow_sglang.head.dense_attention`) over each request's
     context gathered from the cache, padded to the longest and masked."""
@@ -172,5 +189,9 @@ def paged_block_attention_reference(
     within = torch.ones(block, block, dtype=torch.bool, device=device)
     if causal:
         within = within.tril()
-    mask = torch.cat([valid[:, None, :].expand(-1, block, -1), within.expand(batch, -1, -1)], -1)[:, None]
-    return dense_attention(context, mask)(0, q, block_k, block_v)
+    mask = torch.cat([valid[:, None, :].expand(-1, block, -1), within.expand(batch, -1, -1)], -1)
+    if window:
+        query_positions = seq_lens[:, None] + torch.arange(block, device=device)
+        key_positions = torch.cat([torch.arange(width, device=device).expand(batch, -1), query_positions], 1)
+        mask = window_mask(mask, query_positions, key_positions, window)
+    return dense_attention(context, mask[:, None])(0, q, block_k, block_v)

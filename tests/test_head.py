@@ -195,14 +195,19 @@ def test_refresh_rows_equal_blocks_with_the_path_revealed(fused):
         torch.testing.assert_close(refreshed[0, i], head.logits(hidden[:, -1])[0], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("causal,fused", [(True, False), (False, False), (True, True)])
-def test_paged_draft_equals_dense_draft_and_graph_padding_changes_nothing(causal, fused):
+SLIDING = dict(sliding_layers=[1], sliding_window=4)  # a published head's mix: full layer 0, sliding layer 1
+
+
+@pytest.mark.parametrize("causal,extra", [(True, {}), (False, {}), (True, FUSED), (False, SLIDING)],
+                         ids=["causal", "bidirectional", "fused", "sliding"])  # fmt: skip
+def test_paged_draft_equals_dense_draft_and_graph_padding_changes_nothing(causal, extra):
     """SGLang's proposer: context K/V at scattered KV slots read through req_to_token (the paged
     kernel's torch reference here), batch padded as for CUDA-graph replay, equals `draft` on each
     request's own dense context."""
     from jetflow_sglang.sglang_plugin.proposer import DraftRequest, HeadProposer
 
-    head = small_head(causal=causal, seed=3, **(FUSED if fused else {}))
+    fused = "anchor_fusion" in extra
+    head = small_head(causal=causal, seed=3, **extra)
     gen = torch.Generator().manual_seed(4)
     lens, rows = [10, 57, 1], [3, 0, 4]
     req_to_token = torch.zeros(5, 80, dtype=torch.int32)

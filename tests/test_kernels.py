@@ -283,7 +283,7 @@ def assert_fits(observed: Counter, expected: dict[tuple, float], draws: int) -> 
 
 def check_paged_block_attention(device: str) -> None:
     """The head's paged attention against the gather + SDPA reference: ragged and empty contexts,
-    scattered slots, GQA, causal and bidirectional blocks, fp32 and (on CUDA) bf16."""
+    scattered slots, GQA, causal and bidirectional blocks, sliding windows, fp32 and (on CUDA) bf16."""
     gen = torch.Generator().manual_seed(6)
     cases = [  # context lengths, block, heads, kv heads, head dim
         ([0], 1, 2, 1, 16),
@@ -309,13 +309,14 @@ def check_paged_block_attention(device: str) -> None:
             q, block_k, block_v = rand(batch, heads, block, head_dim), rand(batch, kv_heads, block, head_dim), rand(batch, kv_heads, block, head_dim)
             key_cache, value_cache = rand(num_slots, kv_heads, head_dim), rand(num_slots, kv_heads, head_dim)
             args = (key_cache, value_cache, req_to_token.to(device), req_pool_indices.to(device), torch.tensor(lens).to(device))
-            for causal in (True, False):
+            # Sliding-window layers: a window inside the block, and one that starts mid-context.
+            for causal, window in ((True, 0), (False, 0), (True, 5), (True, 70)):
                 assert use_triton(q)
-                got = paged_block_attention(q, block_k, block_v, *args, causal)
-                want = paged_block_attention_reference(q.float(), block_k.float(), block_v.float(), *[a.float() if a.is_floating_point() else a for a in args], causal)
+                got = paged_block_attention(q, block_k, block_v, *args, causal, window)
+                want = paged_block_attention_reference(q.float(), block_k.float(), block_v.float(), *[a.float() if a.is_floating_point() else a for a in args], causal, window)
                 tolerance = 1e-5 if dtype == torch.float32 else 2e-2
                 error = (got.float() - want).abs().max().item()
-                assert error < tolerance, (lens, block, heads, dtype, causal, error)
+                assert error < tolerance, (lens, block, heads, dtype, causal, window, error)
 
 
 CHECKS = {
@@ -356,7 +357,13 @@ SM90_BUILDS = {
     "paged_block_attention": (
         _paged_block_attention_kernel,
         "*bf16 *bf16 *bf16 *bf16 *bf16 *i32 *i64 *i64 *bf16 i32 i32 i32 i32 fp32",
-        {"CAUSAL": True, "BLOCK_M": 16, "BLOCK_N": 64, "HEAD_DIM": 128, "DOT_PRECISION": "tf32"},
+        {"CAUSAL": True, "WINDOW": 0, "BLOCK_M": 16, "BLOCK_N": 64, "HEAD_DIM": 128, "DOT_PRECISION": "tf32"},
+        4,
+    ),
+    "paged_block_attention_sliding": (
+        _paged_block_attention_kernel,
+        "*bf16 *bf16 *bf16 *bf16 *bf16 *i32 *i64 *i64 *bf16 i32 i32 i32 i32 fp32",
+        {"CAUSAL": True, "WINDOW": 2048, "BLOCK_M": 16, "BLOCK_N": 64, "HEAD_DIM": 128, "DOT_PRECISION": "tf32"},
         4,
     ),
     "accept_sampling": (
@@ -382,7 +389,7 @@ def test_kernel_compiles_for_sm90(build: str) -> None:
     source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     assert compiled.asm["cubin"]
-    if build != "paged_block_attention":  # reads only inputs; the others re-read what they wrote
+    if not build.startswith("paged_block_attention"):  # reads only inputs; the others re-read what they wrote
         # The tree build re-reads its scratch after barriers: those loads must not go through the
         # non-coherent read-only cache.
         assert "ld.global.nc" not in compiled.asm["ptx"]

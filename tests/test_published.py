@@ -20,14 +20,14 @@ HIDDEN, VOCAB, MASK_ID, BLOCK = 64, 96, 7, 8
 HELPER = Path(__file__).parent / "helpers" / "sglang_dflash_logits.py"
 
 
-def published_style_head(causal: bool, seed: int = 0) -> JetFlowHead:
+def published_style_head(causal: bool, seed: int = 0, **overrides) -> JetFlowHead:
     """A head in the published layout's shape (q/k norms, target-row MASK), random weights
     throughout, norms included, so that a misplaced norm changes the logits."""
     config = JetFlowConfig(
         target_hidden_size=HIDDEN, target_vocab_size=VOCAB, target_num_layers=8, target_layer_ids=[1, 4, 6],
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, num_layers=2,
         block_size=BLOCK, causal=causal, rms_norm_eps=1e-6, rope_theta=10000.0, qk_norm=True,
-        mask_from_target=True, mask_token_id=MASK_ID,
+        mask_from_target=True, mask_token_id=MASK_ID, **overrides,
     )  # fmt: skip
     head = JetFlowHead(config).init_weights(seed)
     generator = torch.Generator().manual_seed(seed + 1)
@@ -93,7 +93,11 @@ def test_published_variants_load(tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda c: c.update(layer_types=["full_attention", "sliding_attention"], sliding_window=64), "sliding_attention"),
+        (lambda c: c.update(layer_types=["full_attention", "linear_attention"]), "linear_attention"),
+        (lambda c: c.update(layer_types=["full_attention", "sliding_attention"]), "no sliding_window"),
+        (lambda c: c.update(layer_types=["full_attention", "sliding_attention"], sliding_window=64, is_causal=False),
+         "bidirectional sliding_attention"),
+        (lambda c: c.update(layer_types=["full_attention"]), "1 layer_types for 2 layers"),
         (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
         (lambda c: c["dflash_config"].update(mask_token_id=VOCAB), "not a row"),
         (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
@@ -128,10 +132,18 @@ def test_export_refuses_heads_the_layout_cannot_hold(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["dflash-bidirectional", "jetspec-causal"])
-def test_draft_logits_equal_sglang_dflash_model(tmp_path, causal):
-    head = published_style_head(causal=causal, seed=3)
+# Sliding: layer 0 full, layer 1 a window of 5 positions (inside the 8-slot block over 13 context positions).
+SLIDING = dict(sliding_layers=[1], sliding_window=5)
+
+
+@pytest.mark.parametrize("causal, extra", [(False, {}), (True, {}), (False, SLIDING), (True, SLIDING)],
+                         ids=["dflash-bidirectional", "jetspec-causal", "dflash-sliding", "jetspec-sliding"])  # fmt: skip
+def test_draft_logits_equal_sglang_dflash_model(tmp_path, causal, extra):
+    head = published_style_head(causal=causal, seed=3, **extra)
     published.export_head(head, tmp_path / "head", "jetspec" if causal else "dflash")
+    loaded_config = JetFlowHead.load(tmp_path / "head").config
+    assert (loaded_config.causal, loaded_config.sliding_layers, loaded_config.sliding_window) == (
+        causal, extra.get("sliding_layers", []), extra.get("sliding_window", 0))  # fmt: skip
     features = torch.randn(13, 3 * HIDDEN, generator=torch.Generator().manual_seed(5))
     anchor = 11
     block_ids = torch.tensor([anchor] + [MASK_ID] * (BLOCK - 1))
@@ -147,18 +159,24 @@ def test_draft_logits_equal_sglang_dflash_model(tmp_path, causal):
     assert ours.shape == sglang_logits.shape
     torch.testing.assert_close(ours, sglang_logits, rtol=1e-4, atol=1e-3)
     assert torch.equal(ours.argmax(-1), sglang_logits.argmax(-1))
-    # The other mask gives other logits: the comparison sees causality.
+    # The other mask gives other logits: the comparison sees causality and the window.
     flipped = JetFlowHead.load(tmp_path / "head").bind_target(head._target_embedding, head._target_lm_head).eval()
     flipped.config.causal = not causal
     assert not torch.allclose(draft_logits(flipped, features, anchor), sglang_logits, rtol=1e-2, atol=1e-2)
+    if extra:
+        unwindowed = JetFlowHead.load(tmp_path / "head").bind_target(head._target_embedding, head._target_lm_head).eval()
+        unwindowed.config.sliding_window = 10_000
+        assert not torch.allclose(draft_logits(unwindowed, features, anchor), sglang_logits, rtol=1e-2, atol=1e-2)
 
 
-def smollm2_published_head(target_dir: str, out: Path) -> Path:
-    """A random-weight head in the published layout, shaped for the default target (SmolLM2)."""
+def smollm2_published_head(target_dir: str, out: Path, sliding: bool = False) -> Path:
+    """A random-weight head in the published layout, shaped for the default target (SmolLM2);
+    `sliding`: its second layer sees only the last 12 positions."""
     from transformers import AutoConfig
 
+    window = dict(sliding_layers=[1], sliding_window=12) if sliding else {}
     config = JetFlowConfig.for_target(AutoConfig.from_pretrained(target_dir), target_layer_ids=[1, 14, 26], qk_norm=True,
-                                      mask_from_target=True, mask_token_id=0, rms_norm_eps=1e-6)  # fmt: skip
+                                      mask_from_target=True, mask_token_id=0, rms_norm_eps=1e-6, **window)  # fmt: skip
     return published.export_head(JetFlowHead(config).init_weights(0), out, "jetspec")
 
 

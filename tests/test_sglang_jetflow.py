@@ -360,9 +360,9 @@ def test_triton_kernels_in_the_worker_are_lossless(target_dir, head_dir, cases, 
 @pytest.mark.slow
 def test_published_dflash_layout_head_serves_unchanged(target_dir, cases, reference, tmp_path):
     """A head directory in the published DFlash / JetSpec layout (q/k norms, MASK as a target
-    embedding row, `dflash_config`; random weights) passed as --speculative-draft-model-path as
-    it is: the no-spec ids, and each request's rounds and accepted drafts equal the HF reference
-    engine's with the same head."""
+    embedding row, `dflash_config`, a sliding-window layer; random weights) passed as
+    --speculative-draft-model-path as it is: the no-spec ids, and each request's rounds and
+    accepted drafts equal the HF reference engine's with the same head."""
     import torch
 
     from jetflow_sglang.assets import load_target_and_head
@@ -370,7 +370,7 @@ def test_published_dflash_layout_head_serves_unchanged(target_dir, cases, refere
     from jetflow_sglang.engine import ReferenceEngine
     from test_published import smollm2_published_head
 
-    head_dir = str(smollm2_published_head(target_dir, tmp_path / "published"))
+    head_dir = str(smollm2_published_head(target_dir, tmp_path / "published", sliding=True))
     picked = [0, 3]  # a chat prompt that stops at EOS, a raw completion that runs to the limit
     server = sglang_server.start(target_dir, tmp_path / "server.log", *sglang_server.jetflow_args(head_dir, 64))
     try:
@@ -378,7 +378,7 @@ def test_published_dflash_layout_head_serves_unchanged(target_dir, cases, refere
     finally:
         server.stop()
     target, head = load_target_and_head(target_dir, head_dir, torch.float32)
-    assert head.config.qk_norm and head.config.mask_from_target
+    assert head.config.qk_norm and head.config.mask_from_target and head.config.sliding_layers == [1]
     engine = ReferenceEngine(target, HeadDrafter(head), budget=64, lookup=True)
     for i, out in zip(picked, outputs):
         assert out["output_ids"] == reference["output_ids"][i], i
@@ -482,8 +482,8 @@ def test_penalties_equal_no_spec(jetflow_server, cases, penalized_cases, referen
     for case, got, want, free in zip(penalized_cases, outputs, reference["penalized"], reference["unpenalized"]):
         assert want != free, case["options"]  # the options changed the answer
         assert got["output_ids"] == want, (jetflow_server.budget, case["options"])
-        meta = got["meta_info"]
-        if case["oracle"]:
+        if case["oracle"] and not jetflow_server.adaptive:  # (the adaptive server may draft less: see above)
+            meta = got["meta_info"]
             assert 1 + meta["spec_num_correct_drafts"] / meta["spec_verify_ct"] > 2.0, (case["options"], meta)
     for i, got in zip(plain, outputs[len(penalized_cases) :]):
         assert got["output_ids"] == reference["output_ids"][i], i
@@ -510,8 +510,8 @@ def test_grammars_equal_no_spec_in_a_mixed_batch(jetflow_server, cases, penalize
         draws = [d.result() for d in draws]
     for case, got, want in zip(grammar_cases, outputs, reference["constrained"]):
         assert got["output_ids"] == want["output_ids"], (jetflow_server.budget, case["options"], got["text"], want["text"])
-        meta = got["meta_info"]
-        if case["oracle"]:
+        if case["oracle"] and not jetflow_server.adaptive:  # (the adaptive server may draft less: see above)
+            meta = got["meta_info"]
             assert 1 + meta["spec_num_correct_drafts"] / meta["spec_verify_ct"] > 2.0, (case["options"], meta)
     answer = json.loads(outputs[1]["text"])
     jsonschema.validate(answer, PERSON_SCHEMA)

@@ -83,12 +83,12 @@ class HeadProposer:
     def draft(self, anchors: Tensor, seq_lens: Tensor, req_pool_indices: Tensor) -> Tensor:
         """Draft logits [b, B-1, V]; the head attends to its context K/V where the target's KV is
         (`req_to_token[row, :seq_len]`), through the paged kernel (no host sync: graph-capturable)."""
-        causal = self.head.config.causal
+        config = self.head.config
 
         def attend(layer: int, q: Tensor, block_k: Tensor, block_v: Tensor) -> Tensor:
             return paged_block_attention(
-                q, block_k, block_v, self.keys[layer], self.values[layer],
-                self.req_to_token, req_pool_indices, seq_lens, causal,
+                q, block_k, block_v, self.keys[layer], self.values[layer], self.req_to_token,
+                req_pool_indices, seq_lens, config.layer_causal(layer), config.layer_window(layer),
             )  # fmt: skip
 
         anchor_context = None

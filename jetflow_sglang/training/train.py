@@ -154,6 +154,8 @@ def head_forward_sequences(head: JetFlowHead, features: Tensor, input_ids: Tenso
     the causal mask the first slots of a block do not depend on later ones, so a shorter
     width gives them exactly). Returns the final hidden states of slots 1..width-1
     [nb, width-1, H] and the sequence position each slot predicts (-1 past the end)."""
+    if head.config.sliding_layers:
+        raise JetFlowError("training heads with sliding-window layers is not supported (published heads only serve)")
     batch, seq_len, _ = features.shape
     block = width or head.config.block_size
     device = features.device

@@ -9,8 +9,8 @@ Everything is SGLang's code: its config parsing, `load_weights`, fc + hidden_nor
 projection, the context K/V as its DFlash worker materializes them (`kv_proj_only`,
 `apply_k_norm`, `apply_k_rope`), its layers, norms, RoPE and MLP. Only the paged
 RadixAttention kernel is replaced by softmax attention over (context K/V, block K/V) with
-the layer's own attention type (ENCODER_ONLY: the whole block; DECODER: causal), because
-a paged KV pool needs a whole server around it.
+the layer's own attention type (ENCODER_ONLY: the whole block; DECODER: causal) and sliding
+window (`window_left`), because a paged KV pool needs a whole server around it.
 """
 
 from __future__ import annotations
@@ -40,7 +40,12 @@ class ContextThenBlockAttention(torch.nn.Module):
         within = torch.ones(block, block, dtype=torch.bool)
         if radix.attn_type == AttentionType.DECODER:
             within = within.tril()
-        mask = torch.cat([torch.ones(block, self.context_k.shape[0], dtype=torch.bool), within], 1)
+        context_len = self.context_k.shape[0]
+        mask = torch.cat([torch.ones(block, context_len, dtype=torch.bool), within], 1)
+        if radix.sliding_window_size >= 0:  # SGLang's window_left: keys at positions q - window_left .. q
+            query_positions = context_len + torch.arange(block)
+            key_positions = torch.arange(context_len + block)
+            mask &= key_positions[None, :] >= query_positions[:, None] - radix.sliding_window_size
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=radix.scaling, enable_gqa=True)
         return out[0].transpose(0, 1).reshape(block, -1)
 
