@@ -229,9 +229,10 @@ class JetFlowHead(nn.Module):
         """`context_kv` from already projected features [b, T, H]."""
         return [layer.key_value(projected, positions, self.inv_freq) for layer in self.layers]
 
-    def block_mask(self, block_size: int, device: torch.device) -> Tensor:
-        """Within-block visibility: causal (JetFlow) or bidirectional (DFlash baseline). [B, B] bool."""
-        if self.config.causal:
+    def block_mask(self, block_size: int, device: torch.device, causal: bool | None = None) -> Tensor:
+        """Within-block visibility: causal (JetFlow) or bidirectional (DFlash baseline). [B, B] bool.
+        `causal`: a layer's own (`config.layer_causal`); None: the head's."""
+        if self.config.causal if causal is None else causal:
             return torch.ones(block_size, block_size, dtype=torch.bool, device=device).tril()
         return torch.ones(block_size, block_size, dtype=torch.bool, device=device)
 
@@ -281,9 +282,8 @@ class JetFlowHead(nn.Module):
             context_valid = torch.ones(b, context_len, dtype=torch.bool, device=device)
 
         def visible(causal: bool) -> Tensor:
-            within = torch.ones(block, block, dtype=torch.bool, device=device)
-            within = within.tril() if causal else within
-            return torch.cat([context_valid[:, None, :].expand(-1, block, -1), within.expand(b, -1, -1)], -1)
+            within = self.block_mask(block, device, causal).expand(b, -1, -1)
+            return torch.cat([context_valid[:, None, :].expand(-1, block, -1), within], -1)
 
         mask = self.layer_masks(visible, positions, context_len)
         hidden = self.forward_block(block_tokens, positions, context, mask, anchor_context)
