@@ -19,12 +19,20 @@ grows and small trees win. When rounds with a head draft pass have been committi
 tokens per second than rounds without one (measured, EMA per batch size, each against a plain
 step; a plain step counts 1), the next rounds skip the head: they verify the prompt-lookup
 chains alone, or the root alone where no request has one, running the head every
-`PROBE_EVERY`-th round to see whether that changed.
+`PROBE_EVERY`-th round to see whether that changed. Rounds that verify lookup chains without
+the head are measured the same way: when they have been committing fewer tokens per second
+than a plain step (text that repeats little: the chains are mostly wrong), the next rounds
+verify the root alone, a plain decode step, probing the chains every `PROBE_EVERY`-th round;
+each such round also checks the skipped chains' first tokens against what the target committed
+and values the chains from that (`observe_skipped_chains`), so they return when text repeats.
+A probe that loses time (a head pass at a large batch) comes more rarely: often enough that
+probes lose at most `PROBE_SHARE` of the plain steps' time between them.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from bisect import bisect_left
@@ -34,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from jetflow_sglang.tree import DraftTree, path_scores, prune_order
+from jetflow_sglang.tree import FILLER_SCORE, DraftTree, path_scores, prune_order
 
 POLICIES = ("static", "adaptive", "sweep")  # sweep: every ladder size in turn (benchmarks/verify_cost.py)
 BUDGET_ENV = "JETFLOW_BUDGET"
@@ -47,6 +55,7 @@ EMA = 0.2
 MIN_SAMPLES = 2  # rounds at a size before the cost table trusts it (a loaded table counts as this)
 MAX_WEIGHT = 20  # samples weighing a size in the monotone fit (recent EMA values stay live)
 PROBE_EVERY = 8  # while drafting does not pay, every 8th round drafts anyway to see if that changed
+PROBE_SHARE = 0.05  # ... or more rarely: probes may cost at most this share of the plain steps' time
 VALUE_EMA = 0.1
 
 
@@ -195,9 +204,14 @@ class BudgetPolicy:
         self.calibration = AcceptanceCalibration(device)
         self.chosen: dict[int, int] = {}  # tree size -> rounds (for reports and tests)
         self.draft_value: dict[int, float] = {}  # batch size -> EMA of (head-drafted round's rate / plain step's)
-        self.bare_value: dict[int, float] = {}  # the same for rounds without the head (lookup chains or the root alone)
+        self.chain_value: dict[int, float] = {}  # the same for rounds verifying lookup chains without the head
         self.undrafted: dict[int, int] = {}  # batch size -> rounds verified without a draft since
+        self.unchained: dict[int, int] = {}  # batch size -> rounds verified root-only, chains found, since
+        # head|chains -> batch size -> EMA of a round's seconds beyond those of the plain steps that
+        # would commit as many tokens (0 when it pays)
+        self.round_loss: dict[str, dict[int, float]] = {"head": {}, "chains": {}}
         self.skipped_drafts = 0
+        self.skipped_chains = 0
 
     @property
     def adaptive(self) -> bool:
@@ -224,16 +238,34 @@ class BudgetPolicy:
     def skip_draft(self, batch: int) -> bool:
         """True when the head's draft pass has lately not paid at this batch size (its rounds
         committed fewer tokens per second, against a plain step, than rounds without it: EMAs as
-        measured) and no probe is due: the round then verifies what prompt lookup found, or the
-        root alone, with no head pass."""
-        if not self.adaptive or self.draft_value.get(batch, 1.0) >= self.bare_value.get(batch, 1.0):
+        measured, a new batch size starting from the nearest measured one) and no probe is due:
+        the round then verifies what prompt lookup found, or the root alone, with no head pass."""
+        without_head = max(1.0, _nearest(self.chain_value, batch, 1.0))  # the better of chains alone and a plain step
+        if not self.adaptive or _nearest(self.draft_value, batch, 1.0) >= without_head:
             return False
-        if self.undrafted.get(batch, 0) >= PROBE_EVERY - 1:
-            self.undrafted[batch] = 0
+        if _probe_due(self.undrafted, batch, self._probe_interval("head", batch)):
             return False
-        self.undrafted[batch] = self.undrafted.get(batch, 0) + 1
         self.skipped_drafts += 1
         return True
+
+    def skip_chains(self, batch: int) -> bool:
+        """In a round without the head where prompt lookup found chains: True when such rounds
+        have lately committed fewer tokens per second than a plain step at this batch size and no
+        probe is due; the round then verifies the root alone."""
+        if not self.adaptive or _nearest(self.chain_value, batch, 1.0) >= 1.0:
+            return False
+        if _probe_due(self.unchained, batch, self._probe_interval("chains", batch)):
+            return False
+        self.skipped_chains += 1
+        return True
+
+    def _probe_interval(self, kind: str, batch: int) -> int:
+        """Rounds between probes: `PROBE_EVERY`, or more where a probe round loses more than
+        `PROBE_SHARE` of that many plain steps."""
+        loss = _nearest(self.round_loss[kind], batch, 0.0)
+        if loss <= 0.0 or not self.cost.verify.seconds_at:
+            return PROBE_EVERY
+        return max(PROBE_EVERY, math.ceil(loss / (PROBE_SHARE * self.cost.verify.seconds(batch))))
 
     def choose(self, tree: DraftTree) -> tuple[int, Tensor | None]:
         """This round's tree size, and the node priority to prune the tree to it by (None: the
@@ -285,14 +317,60 @@ class BudgetPolicy:
         # What this round bought: committed tokens per second against a plain step's, kept apart
         # for rounds with and without the head's draft pass.
         committed = int((path >= 0).sum())
-        value = committed / ((draft_seconds or 0.0) + verify_seconds) * self.cost.verify.seconds(batch) / batch
-        values = self.draft_value if draft_seconds is not None else self.bare_value
-        old = values.get(batch)
-        values[batch] = value if old is None else (1 - VALUE_EMA) * old + VALUE_EMA * value
+        seconds, plain = (draft_seconds or 0.0) + verify_seconds, self.cost.verify.seconds(batch)
+        value = committed / seconds * plain / batch
+        if draft_seconds is None and tree.budget == 1:
+            return  # a plain step: worth 1 by definition
+        kind, values = ("head", self.draft_value) if draft_seconds is not None else ("chains", self.chain_value)
+        _ema(values, batch, value, VALUE_EMA)
+        _ema(self.round_loss[kind], batch, max(0.0, seconds - committed * plain / batch), VALUE_EMA)
+
+    def observe_skipped_chains(self, chains: DraftTree, next_tokens: Tensor) -> None:
+        """After a root-only round that skipped the lookup chains `chains` (`skip_chains`): what
+        verifying them would have bought, fed to the chain rounds' value as a measured round is.
+        Each chain's first token is checked against the token the target committed (free
+        evidence); deeper ones count as the calibration expects given that first hit (P(d on
+        path | depth 1 on path) = P(d) / P(1)). Chains come back as soon as the text starts
+        repeating, without waiting for a probe."""
+        if not self.adaptive or chains.budget < 2:
+            return
+        batch = chains.tokens.shape[0]
+        probs = self.node_probabilities(chains)
+        size = self._best_size(chains, probs)
+        if size < 2:
+            return
+        first_hit = (chains.tokens[:, 1] == next_tokens) & (chains.scores[:, 1] > FILLER_SCORE / 2)
+        given_hit = probs[:, 1:size].sum(1) / probs[:, 1].clamp(min=1e-6)
+        commits = float((1.0 + first_hit.float() * given_hit).sum())
+        plain = self.cost.verify.seconds(batch)
+        _ema(self.chain_value, batch, commits / self.cost.verify.seconds(batch * size) * plain / batch, VALUE_EMA)
 
     def report(self) -> dict:
         return {"mode": self.mode, "cap": self.cap, "chosen": dict(sorted(self.chosen.items())),
-                "skipped_drafts": self.skipped_drafts, "cost": self.cost.to_json()}  # fmt: skip
+                "skipped_drafts": self.skipped_drafts, "skipped_chains": self.skipped_chains,
+                "cost": self.cost.to_json()}  # fmt: skip
+
+
+def _nearest(values: dict[int, float], batch: int, default: float) -> float:
+    """The estimate at this batch size, or at the nearest measured one (by ratio; the smaller on a
+    tie): a batch size seen for the first time starts from its neighbour's, not from nothing."""
+    if batch in values or not values:
+        return values.get(batch, default)
+    return values[min(values, key=lambda b: (abs(math.log(b / batch)), b))]
+
+
+def _ema(values: dict, key, value: float, weight: float) -> None:
+    old = values.get(key)
+    values[key] = value if old is None else (1 - weight) * old + weight * value
+
+
+def _probe_due(since: dict[int, int], batch: int, interval: int) -> bool:
+    """Count a skipped round at this batch size; every `interval`-th is a probe instead."""
+    if since.get(batch, 0) >= interval - 1:
+        since[batch] = 0
+        return True
+    since[batch] = since.get(batch, 0) + 1
+    return False
 
 
 def policy_from_env(cap: int, device: torch.device | str = "cpu") -> BudgetPolicy:

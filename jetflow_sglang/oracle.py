@@ -54,11 +54,12 @@ class OracleDrafter:
     def extend(self, features: Tensor) -> None:
         self.length += features.shape[1]
 
-    def advance_to(self, position: int) -> None:
+    def advance_to(self, position: int, rounds: int = 1) -> None:
         """Server use (no per-request features reach a proposer): a verify round commits 1..block_size
-        tokens, so the next round's position must lie that far past this one's."""
+        tokens, so after `rounds` rounds (an adaptive server runs some without a draft pass) the
+        position must lie 1..rounds * block_size past this one's."""
         step = position - self.length
-        if not 1 <= step <= self.block_size:
+        if not 1 <= step <= self.block_size * rounds:
             raise AssertionError(f"oracle context out of step: position {self.length} then {position}")
         self.length = position
 

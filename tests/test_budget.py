@@ -167,15 +167,30 @@ def test_drafting_that_does_not_pay_is_skipped_with_a_probe_every_8th_round():
     nothing_accepted = torch.tensor([[0, -1]] * 4)
     assert not policy.skip_draft(4)  # nothing known yet: draft
     # 4 tokens in draft + verify seconds, where a plain step (verify of 4 tokens) is faster.
-    policy.observe(tree, nothing_accepted, verify_seconds=0.04, draft_seconds=0.004)
+    policy.observe(tree, nothing_accepted, verify_seconds=0.03, draft_seconds=0.002)
     plain = policy.cost.verify.seconds(4)
-    assert policy.draft_value[4] == pytest.approx(4 / 0.044 * plain / 4)
+    assert policy.draft_value[4] == pytest.approx(4 / 0.032 * plain / 4)
     assert policy.draft_value[4] < 1
     skips = [policy.skip_draft(4) for _ in range(16)]
     assert skips == [True] * 7 + [False] + [True] * 7 + [False]  # every 8th round drafts (a probe)
-    assert not policy.skip_draft(2)  # another batch size decides for itself
-    assert policy.skipped_drafts == 14 and policy.report()["chosen"] == {}  # the size is still chosen per round
+    assert policy.skip_draft(2)  # a batch size not measured yet starts from the nearest measured one
+    policy.observe(prune_tree(chain_tree(2, 15, 0.9, 16), 4), torch.tensor([[0, 1, 2, 3]] * 2), 0.03, 0.002)
+    assert policy.draft_value[2] > 1 and not policy.skip_draft(2)  # ... until it is measured itself
+    assert policy.skipped_drafts == 15 and policy.report()["chosen"] == {}  # the size is still chosen per round
     assert not BudgetPolicy(16, "static").skip_draft(4)
+
+
+def test_a_probe_that_loses_much_comes_rarely():
+    """A head round at batch 16 that takes five plain steps' time to commit one token per request
+    loses four plain steps: probing it every 80th round keeps the probes' loss at 5% of the time."""
+    policy = _policy_with_costs(16, seconds_per_token=1e-3, fixed=0.02)
+    tree = prune_tree(chain_tree(16, 15, 0.001, 16), 2)
+    plain = policy.cost.verify.seconds(16)
+    policy.observe(tree, torch.tensor([[0, -1]] * 16), verify_seconds=3 * plain, draft_seconds=2 * plain)
+    assert policy.round_loss["head"][16] == pytest.approx(4 * plain)
+    skips = [policy.skip_draft(16) for _ in range(160)]
+    assert [i for i, skip in enumerate(skips) if not skip] == [79, 159]
+    assert [policy.skip_draft(8) for _ in range(8)] == [True] * 8  # batch 8 starts from batch 16's interval
 
 
 def test_the_head_is_skipped_when_rounds_without_it_commit_faster():
@@ -188,13 +203,62 @@ def test_the_head_is_skipped_when_rounds_without_it_commit_faster():
     for _ in range(10):
         policy.observe(tree, two, verify_seconds=0.024, draft_seconds=0.01)  # head rounds: 2 tokens
         policy.observe(tree, four, verify_seconds=0.024, draft_seconds=None)  # lookup-only rounds: 4 tokens
-    assert 1 < policy.draft_value[1] < policy.bare_value[1]
+    assert 1 < policy.draft_value[1] < policy.chain_value[1]
     assert [policy.skip_draft(1) for _ in range(8)] == [True] * 7 + [False]
-    root = prune_tree(tree, 1)
-    for _ in range(40):  # later text repeats nothing: rounds without the head commit one token
+    assert not policy.skip_chains(1)  # chains pay
+    one = torch.tensor([[0, -1, -1, -1]])
+    for _ in range(40):  # later text repeats nothing: lookup-only rounds commit one token
         policy.observe(tree, four, verify_seconds=0.024, draft_seconds=0.001)
-        policy.observe(root, torch.tensor([[0]]), verify_seconds=0.02, draft_seconds=None)
-    assert policy.draft_value[1] > policy.bare_value[1] and not policy.skip_draft(1)
+        policy.observe(tree, one, verify_seconds=0.024, draft_seconds=None)
+    assert policy.chain_value[1] < 1 < policy.draft_value[1] and not policy.skip_draft(1)
+
+
+def test_lookup_chains_that_do_not_pay_give_way_to_plain_steps():
+    """Rounds verifying lookup chains without the head that commit fewer tokens per second than a
+    plain step: the next rounds verify the root alone, probing the chains every 8th round; a
+    plain step's own round is worth 1 and changes no estimate; chains that pay again are kept."""
+    policy = _policy_with_costs(16, seconds_per_token=1e-3, fixed=0.02)
+    chains = prune_tree(chain_tree(2, 15, 0.5, 16), 8)
+    assert not policy.skip_chains(2)  # nothing known yet: verify them
+    policy.observe(chains, torch.tensor([[0, -1], [0, 1]]), verify_seconds=0.036, draft_seconds=None)
+    plain = policy.cost.verify.seconds(2)
+    assert policy.chain_value[2] == pytest.approx(3 / 0.036 * plain / 2) and policy.chain_value[2] < 1
+    assert [policy.skip_chains(2) for _ in range(16)] == [True] * 7 + [False] + [True] * 7 + [False]
+    assert policy.skip_chains(1) and policy.skipped_chains == 15  # batch 1 starts from batch 2's estimate
+    before = dict(policy.chain_value)
+    policy.observe(prune_tree(chains, 1), torch.tensor([[0], [0]]), verify_seconds=0.022, draft_seconds=None)
+    assert policy.chain_value == before and 2 not in policy.draft_value
+    # A head whose rounds pay less than a plain step is skipped even where chains pay less still.
+    policy.observe(chains, torch.tensor([[0, -1], [0, -1]]), verify_seconds=0.036, draft_seconds=0.01)
+    assert policy.draft_value[2] < 1 and policy.skip_draft(2)
+    for _ in range(40):  # chains that commit 8 tokens per request again
+        policy.observe(chains, torch.tensor([list(range(8))] * 2), verify_seconds=0.036, draft_seconds=None)
+    assert policy.chain_value[2] > 1 and not policy.skip_chains(2)
+    assert not BudgetPolicy(16, "static").skip_chains(2)
+
+
+def test_skipped_chains_come_back_when_their_first_tokens_match():
+    """A root-only round that skipped lookup chains checks each chain's first token against the
+    token the target committed: misses keep the chains skipped, hits (text that repeats again)
+    bring them back within a few rounds, with no probe; a request without a chain never hits."""
+    from jetflow_sglang.lookup import CHAIN_SCORES
+    from jetflow_sglang.tree import chain_tree as lookup_chain_tree
+
+    policy = _policy_with_costs(16, seconds_per_token=1e-3, fixed=0.02)
+    chains = lookup_chain_tree(torch.tensor([5, 5]), [[1, 2, 3, 4, 5, 6, 7], []], 15, CHAIN_SCORES)
+    policy.observe(prune_tree(chains, 8), torch.tensor([[0, -1], [0, -1]]), verify_seconds=0.036, draft_seconds=None)
+    assert policy.chain_value[2] < 1 and policy.skip_chains(2)
+    for _ in range(12):  # the chain misses; the filler row (the anchor's token) is no chain
+        policy.observe_skipped_chains(chains, torch.tensor([9, 5]))
+    assert policy.chain_value[2] < 1 and policy.skip_chains(2)
+    values = []
+    for _ in range(12):  # the chain's first token is what the target commits
+        policy.observe_skipped_chains(chains, torch.tensor([1, 9]))
+        values.append(policy.chain_value[2])
+    assert values == sorted(values) and values[-1] > 1 and not policy.skip_chains(2)
+    assert policy.skipped_chains == 2  # no probe was needed
+    policy.observe_skipped_chains(lookup_chain_tree(torch.tensor([5, 5]), [[], []], 15, CHAIN_SCORES), torch.tensor([5, 5]))
+    assert policy.chain_value[2] == values[-1]  # no chain at all: nothing to value
 
 
 def test_drafting_that_pays_keeps_drafting():

@@ -43,3 +43,17 @@ def test_accepted_length_is_geometric_in_p(p):
 def test_accept_prob_outside_zero_one_is_refused():
     with pytest.raises(ValueError, match="accept_prob"):
         OracleDrafter([1, 2, 3], VOCAB, accept_prob=1.5)
+
+
+def test_server_positions_must_advance_by_what_the_rounds_since_could_commit():
+    """`advance_to` (the SGLang proposer's check): one verify round commits 1..BLOCK tokens, and
+    an adaptive server may run rounds without a draft pass in between, so after r rounds the
+    position moves 1..r*BLOCK; standing still, going back or jumping further is out of step."""
+    drafter = OracleDrafter(list(range(200)), VOCAB, block_size=BLOCK)
+    drafter.length = 10
+    drafter.advance_to(10 + BLOCK)
+    drafter.advance_to(26 + 2 * BLOCK, rounds=2)  # a round without the draft pass in between
+    assert drafter.length == 58
+    for position, rounds in ((58, 1), (57, 3), (59 + BLOCK, 1), (59 + 3 * BLOCK, 3)):
+        with pytest.raises(AssertionError, match="out of step"):
+            drafter.advance_to(position, rounds=rounds)

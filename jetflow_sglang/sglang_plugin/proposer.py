@@ -36,6 +36,7 @@ class DraftRequest:
     req_pool_indices: Tensor  # [b] rows of req_to_token
     prompts: Sequence[Sequence[int]]  # origin input ids per request
     rids: Sequence[str]
+    round_index: int = 0  # the worker's decode round (rounds without a draft pass count too)
 
 
 class Proposer(Protocol):
@@ -122,6 +123,7 @@ class OracleProposer:
         self.block_size = fallback.block_size
         self.vocab_size, self.width, self.seed = vocab_size, width, seed
         self._drafters: dict[str, OracleDrafter] = {}
+        self._last_round: dict[str, int] = {}
         self._created = 0
 
     def write_context(self, features: Tensor, slots: Tensor, positions: Tensor) -> None:
@@ -130,7 +132,7 @@ class OracleProposer:
     def propose(self, request: DraftRequest) -> Tensor:
         live = set(request.rids)
         for rid in [r for r in self._drafters if r not in live]:
-            del self._drafters[rid]
+            del self._drafters[rid], self._last_round[rid]
         known = [tuple(p) in self.continuations for p in request.prompts]
         logits = self.fallback.propose(request) if not all(known) else None
         rows = []
@@ -148,6 +150,7 @@ class OracleProposer:
                 self._drafters[rid] = drafter
                 drafter.length = position  # first decode round (or back after a retraction)
             else:
-                drafter.advance_to(position)
+                drafter.advance_to(position, rounds=request.round_index - self._last_round[rid])
+            self._last_round[rid] = request.round_index
             rows.append(drafter.propose(request.anchors[i : i + 1], position).to(request.anchors.device))
         return torch.cat([r.float() for r in rows], 0)

@@ -225,9 +225,14 @@ class JetFlowWorker(BaseSpecWorker):
             self.timings[name] += now - start
         return now
 
-    def _draft_tree(self, request: DraftRequest, chains: Optional[list], head_drafts: bool, t: float) -> tuple[DraftTree, float]:
+    def _draft_tree(
+        self, request: DraftRequest, chains: Optional[list], head_drafts: bool, t: float
+    ) -> tuple[DraftTree, Optional[DraftTree], float]:
         """Draft pass -> best-first tree at the cap -> free branch (lookup chains) -> this round's
-        size. Without the head: the lookup chains alone, or the root alone where none was found."""
+        size. Without the head: the lookup chains alone, or the root alone where none was found or
+        where chain rounds have lately cost more than they committed (adaptive; the skipped chain
+        tree is returned too, to be valued against what the target commits)."""
+        skipped = None
         if head_drafts:
             logits = self.proposer.propose(request)
             t = self._tick("draft", t)
@@ -237,10 +242,12 @@ class JetFlowWorker(BaseSpecWorker):
                 tree = self.lookup.merge(tree, chains)
         elif any(chains or ()):
             tree = self.lookup.chain_tree(request.anchors, chains, self.budget)
+            if self.budget_policy.skip_chains(request.anchors.shape[0]):
+                skipped, tree = tree, root_only(request.anchors)
         else:
             tree = root_only(request.anchors)
         size, priority = self.budget_policy.choose(tree)
-        return prune_tree(tree, size, priority), t
+        return prune_tree(tree, size, priority), skipped, t
 
     @torch.inference_mode()
     def _decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
@@ -254,12 +261,13 @@ class JetFlowWorker(BaseSpecWorker):
             req_pool_indices=batch.req_pool_indices,
             prompts=[req.origin_input_ids for req in batch.reqs],
             rids=[req.rid for req in batch.reqs],
+            round_index=self.rounds,
         )
         self.committed_ids.keep_only(batch.reqs)
         chains = self.lookup.chains(batch.reqs, seq_lens, anchors, self.committed_ids) if self.lookup else None
         # Adaptive: where the head's draft pass has not paid lately, rounds go without it.
         head_drafts = not self.lookup_only and not self.budget_policy.skip_draft(bs)
-        tree, t = self._draft_tree(request, chains, head_drafts, t)
+        tree, skipped_chains, t = self._draft_tree(request, chains, head_drafts, t)
         budget = tree.budget  # this round's verify width (adaptive: up to the cap)
         draft_seconds = self.budget_policy.clock() - round_start if head_drafts else None
         masks = tree_masks(tree.parents, tree.depths, seq_lens, packed=False)
@@ -280,6 +288,8 @@ class JetFlowWorker(BaseSpecWorker):
         acceptance = accept_round(tree, verify_logits, batch, seq_lens, anchors, self.committed_ids, self.depths)
         accept_lens = (acceptance.num_accepted + 1).to(torch.int32)
         self.budget_policy.observe(tree, acceptance.path, self.budget_policy.clock() - verify_start, draft_seconds)
+        if skipped_chains is not None:
+            self.budget_policy.observe_skipped_chains(skipped_chains, acceptance.bonus)
         new_seq_lens = seq_lens + accept_lens
         if on_publish is not None:
             on_publish(new_seq_lens)
