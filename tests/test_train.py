@@ -210,7 +210,7 @@ def test_recipe_at_toy_size_trains_evaluates_and_ships_both_heads(data_dir, tmp_
         assert head.config.causal is (name == "jetflow") and head.config.draft_vocab_size == 512
         card = (folder / "README.md").read_text()
         assert "| prompts | N=4 | N=8 |" in card and "identical to AR | yes | yes |" in card
-        assert "| humaneval | prompt lookup |" in card
+        assert "| humaneval | prompt lookup |" in card and "layers initialized from the target's last ones" in card
         rows = json.loads((folder / "eval.json").read_text())
         assert [r["budget"] for r in rows["tau"]["humaneval"]] == [4, 8] and all(r["identical"] for r in rows["tau"]["humaneval"])
         assert len(rows["per_depth"]["humaneval"]["top1"]) == 15 and rows["held_out"]["step"] == 2

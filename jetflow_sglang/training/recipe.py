@@ -39,19 +39,20 @@ class RecipeConfig:
     prompts: int = 300  # first ShareGPT train-split prompts answered by the target (over 512 prompt tokens: skipped)
     max_new_tokens: int = 256
     regen_backend: str = "auto"  # auto | sglang | hf
-    corpus_prompts: int = 1500  # the next train-split prompts, with ShareGPT's answers; 0: none
+    corpus_prompts: int = 4500  # the next train-split prompts, with ShareGPT's answers; 0: none
     corpus_max_new_tokens: int = 512
     val_prompts: int = 64  # validation-slice prompts (ShareGPT's answers) scored at each checkpoint
-    steps: int = 1000
+    steps: int = 4500
     batch_tokens: int = 2048
-    anchor_fraction: float = 0.125
+    anchor_fraction: float = 0.25
     draft_vocab: int = 16384
-    lr: float = 2e-3
+    lr: float = 5e-4  # benchmarks/recipe_choices.py: 3e-4 and 7e-4 level, 2e-3 well below
     warmup_steps: int = 30
     layers: int = 2
+    init_from_target: bool = True  # the head's layers start as copies of the target's last ones
     depth_decay: float = 4.0  # loss weight exp(-(d-1)/4) at draft depth d
     reveal: float = 0.1  # JetFlow head only: share of blocks with a revealed true prefix
-    checkpoint_every: int = 100
+    checkpoint_every: int = 250
     eval_limits: tuple[int, int] = (40, 20)  # HumanEval, held-out ShareGPT
     eval_max_new_tokens: int = 32
     eval_dtype: str = ""  # default: bf16 where it is native (GPU, AMX), else fp32
@@ -139,6 +140,8 @@ def run_recipe(config: RecipeConfig) -> dict:
         ]  # fmt: skip
         if mask == "causal" and config.reveal > 0:
             args += ["--reveal", str(config.reveal)]
+        if config.init_from_target:
+            args.append("--init-from-target")
         if (work / name / "train_state.json").is_file():
             args.append("--resume")  # an interrupted training stage picks up its last checkpoint
         report["train"][name] = json.loads(stages.run(f"train-{name}", args).strip().splitlines()[-1])
@@ -204,6 +207,7 @@ def model_card(name: str, report: dict) -> str:
     dtype = _eval_dtype(RecipeConfig(eval_dtype=config["eval_dtype"]))
     title = "JetFlow draft head" if name == "jetflow" else "DFlash-T baseline head (bidirectional block mask)"
     reveal = f", reveal {config['reveal']}" if mask == "causal" and config["reveal"] > 0 else ""
+    init = "layers initialized from the target's last ones" if config.get("init_from_target") else "random init"
     bf16_note = "" if dtype == "float32" else (
         " \"Identical\" compares token ids with plain decoding in the same dtype: in bf16 a\n"
         "tree verify and a one-token decode round differently, so a near-tie can flip one argmax\n"
@@ -236,7 +240,7 @@ Made by `make train-default` (`python -m jetflow_sglang.training.recipe`). Load 
 - **Training**: {train['steps']} steps of ~{config['batch_tokens']} target tokens, drafting from
   {config['anchor_fraction']:.0%} of each sequence's response positions per step, forward KL to the target's
   distribution weighted exp(-(d-1)/{config.get('depth_decay', 0)}) at depth d, AdamW lr {config['lr']}
-  (warmup {config['warmup_steps']}, cosine){reveal};
+  (warmup {config['warmup_steps']}, cosine){reveal}, {init};
   final loss {train['final_loss']:.3f}; {train['seconds_per_step']} s/step, {train['blocks_per_s']} blocks/s.
 - **Wall time on the machine that made it**: regeneration {_minutes(seconds, ['regenerate'])},
   training {_minutes(seconds, [f'train-{name}'])} (plus the one-time target feature cache, if this run built it),
