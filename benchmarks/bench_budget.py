@@ -31,6 +31,7 @@ from jetflow_sglang.cli import int_list
 from jetflow_sglang.budget import COST_TABLE_ENV
 from jetflow_sglang.served import BenchConfig, last_profile, _request, bench_prompts
 from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV
+from jetflow_sglang.target import serving_dtype
 
 
 def _run(client, model: str, prompts: list, config: BenchConfig, concurrency: int) -> dict:
@@ -53,12 +54,14 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int_list, default=[1, 4], help="requests in flight per variant")
     parser.add_argument("--rounds", type=int, default=1, help="repeat each measurement; medians are reported")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of every server")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="dtype of every server (auto: bf16 where its matmuls are native, else float32)")
     parser.add_argument("--cost-table", default=None, help="JETFLOW_COST_TABLE of the adaptive server (benchmarks/verify_cost.py)")
     parser.add_argument("--lookup-only", action="store_true",
                         help="also JETFLOW_LOOKUP=only (prompt-lookup chains alone, no head pass) at the cap")
     parser.add_argument("--out", default=None, help="write the JSON report here")
     args = parser.parse_args()
+    args.dtype = serving_dtype(args.dtype)
 
     config = BenchConfig(head=args.head, prompts=args.prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
                          dtype=args.dtype)  # fmt: skip

@@ -36,6 +36,7 @@ from jetflow_sglang.cli import int_list
 from jetflow_sglang.served import bench_prompts, last_profile
 from jetflow_sglang.sglang_plugin.proposer import ORACLE_ACCEPT_ENV
 from jetflow_sglang.sglang_plugin.worker import ORACLE_ENV
+from jetflow_sglang.target import serving_dtype
 
 
 def drafter_list(text: str) -> list[str]:
@@ -188,11 +189,13 @@ def main() -> None:
     parser.add_argument("--drafters", type=drafter_list, default=["head", "p=0.6", "p=0.8"],
                         help="comma list, in order: head (the --head) and/or acceptance rates p of the synthetic proposer")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens per request (ignore_eos)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of every server")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="dtype of every server (auto: bf16 where its matmuls are native, else float32)")
     parser.add_argument("--max-total-tokens", type=int, default=16384, help="KV pool of each server")
     parser.add_argument("--cost-table", default=None, help="JETFLOW_COST_TABLE of the adaptive servers (benchmarks/verify_cost.py)")
     parser.add_argument("--out", default=None, help="write the JSON report here (and a PNG beside it)")
     args = parser.parse_args()
+    args.dtype = serving_dtype(args.dtype)
 
     from transformers import AutoTokenizer
 

@@ -29,6 +29,7 @@ from jetflow_sglang.assets import head_dir_for, resolve_target
 from jetflow_sglang.cli import int_list
 from jetflow_sglang.budget import BUDGET_ENV, CostTable
 from jetflow_sglang.served import BenchConfig, _request, bench_prompts, last_profile
+from jetflow_sglang.target import serving_dtype
 
 
 def main() -> None:
@@ -37,9 +38,11 @@ def main() -> None:
     parser.add_argument("--cap", type=int, default=256, help="largest tree size measured (the adaptive cap)")
     parser.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16], help="requests in flight, in turn")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="new tokens per request (EOS ignored)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="server dtype")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="server dtype (auto: bf16 where its matmuls are native, else float32)")
     parser.add_argument("--out", default=None, help="write the cost table (JSON) here")
     args = parser.parse_args()
+    args.dtype = serving_dtype(args.dtype)
     if not 1 <= args.cap <= 512:
         parser.error(f"--cap must be between 1 and 512, got {args.cap}")
 

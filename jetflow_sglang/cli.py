@@ -11,6 +11,7 @@ import sys
 from jetflow_sglang.errors import JetFlowError
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+SERVING_DTYPES = sorted(DTYPES) + ["auto"]  # auto: bf16 where native (AMX, AVX512-BF16, CUDA), else fp32
 
 
 def _positive(name: str):
@@ -151,7 +152,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from jetflow_sglang import server as sglang_server
     from jetflow_sglang.assets import head_dir_for, resolve_target
     from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV
-    from jetflow_sglang.target import check_model_dir
+    from jetflow_sglang.target import check_model_dir, serving_dtype
     from jetflow_sglang.tree import MAX_BUDGET
 
     if not 1 <= args.budget <= MAX_BUDGET:
@@ -166,7 +167,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     os.environ[LOOKUP_ENV] = "1" if args.lookup else "0"  # read by the JETFLOW worker in the server
     if args.adaptive and not args.no_spec:
         extra.append("--speculative-adaptive")
-    code = sglang_server.serve_forever(str(target), extra, args.port, DTYPES[args.dtype], args.max_total_tokens)
+    code = sglang_server.serve_forever(str(target), extra, args.port, serving_dtype(args.dtype), args.max_total_tokens)
     if code not in (0, -15):
         raise JetFlowError(f"sglang server exited with {code}")
 
@@ -174,7 +175,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from jetflow_sglang.served import BenchConfig, format_table, run_bench
 
-    config = _config_from_args(BenchConfig, args, dtype=DTYPES[args.dtype])
+    config = _config_from_args(BenchConfig, args, dtype=args.dtype)
     report = run_bench(config, echo=lambda line: print(line, file=sys.stderr if args.json else sys.stdout, flush=True))
     if args.json:
         print(json.dumps(report), flush=True)
@@ -232,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--batch-size", type=_positive("batch size"), default=32, help="prompts per engine call")
     regen.add_argument("--backend", choices=["auto", "sglang", "hf", "corpus"], default="auto",
                        help="who answers: SGLang's Engine, HF generate, or the corpus itself (teacher-forced in training)")
+    regen.add_argument("--dtype", choices=SERVING_DTYPES, default="auto",
+                       help="the answering target's dtype; auto (default): bf16 where its matmuls are native, else float32")
     regen.add_argument("--out", required=True, help="data directory (shards + meta.json); reruns resume")
     regen.set_defaults(func=cmd_regenerate)
 
@@ -313,7 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "(SGLang's --speculative-adaptive)")
     serve.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
                        help="merge each request's prompt-lookup continuation into its draft tree (default: on)")
-    serve.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target dtype")
+    serve.add_argument("--dtype", choices=SERVING_DTYPES, default="auto",
+                       help="target and head dtype; auto (default): bf16 where its matmuls are native, else float32")
     serve.add_argument("--max-total-tokens", type=_positive("max total tokens"), default=8192, help="KV cache size")
     serve.set_defaults(func=cmd_serve, passthrough=True)
 
@@ -327,7 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--ignore-eos", action="store_true", help="always decode max-new-tokens tokens")
     bench.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
                        help="JETFLOW merges each request's prompt-lookup continuation into its tree (default: on)")
-    bench.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target dtype of both servers")
+    bench.add_argument("--dtype", choices=SERVING_DTYPES, default="auto",
+                       help="dtype of both servers; auto (default): bf16 where its matmuls are native, else float32 "
+                            "(use float32 to compare token ids exactly)")
     bench.add_argument("--show-text", action="store_true", help="print each answer")
     bench.add_argument("--out", default=None, help="write the JSON report here")
     bench.add_argument("--json", action="store_true", help="print the report as one JSON line")

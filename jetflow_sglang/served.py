@@ -8,6 +8,12 @@ same machine state; only one server is ever busy. Chat prompts go to
 answer, tokens/s, and tau = 1 + accepted drafts / verify rounds (SGLang's
 ``spec_tokens_details``). The JETFLOW server runs with ``JETFLOW_PROFILE=1`` and
 the last profile line of its log gives the share of a decode round per phase.
+
+Both servers run in bf16 where its matmuls are native (``--dtype auto``). There a tree verify
+and a one-token decode step can round a near-tie differently, so an answer may differ from the
+no-spec server's: for each such prompt, both servers answer again with log-probs, and the
+report gives the first differing position and the no-spec server's top-1 minus top-2 log-prob
+there (a near-tie below ``NEAR_TIE_GAP``). In fp32 the answers are identical.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV
 
 DEMO_SHAREGPT, DEMO_HUMANEVAL, DEMO_MAX_CHARS = 3, 3, 400
 PROFILE_MARK = "JETFLOW profile "
+NEAR_TIE_GAP = 0.1  # top-1 minus top-2 log-prob (= logit gap) below which bf16 rounding may flip the argmax
 
 
 @dataclass(frozen=True)
@@ -39,7 +46,7 @@ class BenchConfig:
     max_new_tokens: int = 256
     ignore_eos: bool = False
     lookup: bool = True  # the JETFLOW server merges prompt-lookup continuations into its trees
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bf16 where native)
     show_text: bool = False
     out: Optional[str] = None  # JSON report path
 
@@ -82,6 +89,32 @@ def _request(client, model: str, prompt: Prompt, config: BenchConfig) -> dict:
     }
 
 
+def _token_logprobs(client, model: str, prompt: Prompt, config: BenchConfig, top: int) -> list[tuple[str, list[float]]]:
+    """The answer again, as (token, its position's top log-probs, best first) per new token."""
+    common = dict(model=model, temperature=0, max_tokens=config.max_new_tokens, extra_body={"ignore_eos": config.ignore_eos})
+    if prompt.kind == "chat":
+        response = client.chat.completions.create(
+            messages=[{"role": "user", "content": prompt.text}], logprobs=True, top_logprobs=top, **common
+        )
+        content = response.choices[0].logprobs.content or []
+        return [(c.token, sorted((t.logprob for t in c.top_logprobs), reverse=True)) for c in content]
+    response = client.completions.create(prompt=prompt.text, logprobs=top, **common)
+    logprobs = response.choices[0].logprobs
+    return [(token, sorted(alts.values(), reverse=True)) for token, alts in zip(logprobs.tokens, logprobs.top_logprobs)]
+
+
+def first_divergence(plain: list[tuple[str, list[float]]], spec: list[tuple[str, list[float]]]) -> dict:
+    """Where two answers (`_token_logprobs`) first differ, and the no-spec server's margin there:
+    top-1 minus top-2 log-prob; a near-tie when below `NEAR_TIE_GAP`. Position None: the
+    answers agree (or one is a prefix of the other: an earlier stop)."""
+    for position, ((token, top), (other, _)) in enumerate(zip(plain, spec)):
+        if token != other:
+            gap = top[0] - top[1] if len(top) > 1 else None
+            return {"position": position, "gap": None if gap is None else round(gap, 4),
+                    "near_tie": gap is not None and gap < NEAR_TIE_GAP}  # fmt: skip
+    return {"position": None, "gap": None, "near_tie": False}
+
+
 def last_profile(log: Path) -> Optional[dict]:
     lines = [line for line in log.read_text(errors="replace").splitlines() if PROFILE_MARK in line]
     return json.loads(lines[-1].split(PROFILE_MARK, 1)[1]) if lines else None
@@ -92,6 +125,7 @@ def run_bench(config: BenchConfig, echo=print) -> dict:
     from openai import OpenAI
 
     from jetflow_sglang.assets import head_dir_for, resolve_target
+    from jetflow_sglang.target import serving_dtype
     from jetflow_sglang.tree import MAX_BUDGET
 
     if not 1 <= config.budget <= MAX_BUDGET:
@@ -101,16 +135,17 @@ def run_bench(config: BenchConfig, echo=print) -> dict:
         raise JetFlowError(f"no prompts in {config.prompts!r}")
     target = resolve_target(config.target)
     head_dir = str(head_dir_for(config.head, target))
+    dtype = serving_dtype(config.dtype)
     work = Path(tempfile.mkdtemp(prefix="jetflow-bench-"))
     logs = {"ar": work / "ar.log", "jetflow": work / "jetflow.log"}
-    echo(f"starting two SGLang servers on 127.0.0.1 (logs in {work}) ...")
+    echo(f"starting two SGLang servers on 127.0.0.1, {dtype} (logs in {work}) ...")
     servers = {}
     try:
         try:
-            servers["ar"] = sglang_server.start(str(target), logs["ar"], dtype=config.dtype)
+            servers["ar"] = sglang_server.start(str(target), logs["ar"], dtype=dtype)
             servers["jetflow"] = sglang_server.start(
                 str(target), logs["jetflow"], *sglang_server.jetflow_args(head_dir, config.budget),
-                dtype=config.dtype, env={"JETFLOW_PROFILE": "1", LOOKUP_ENV: "1" if config.lookup else "0"},
+                dtype=dtype, env={"JETFLOW_PROFILE": "1", LOOKUP_ENV: "1" if config.lookup else "0"},
             )  # fmt: skip
         except RuntimeError as exc:
             raise JetFlowError(f"{str(exc).splitlines()[0]} (server logs in {work})") from None
@@ -141,6 +176,11 @@ def run_bench(config: BenchConfig, echo=print) -> dict:
                 f"--- [{number}/{len(prompts)}] {spec['tokens']} tokens | no spec {ar['tokens_per_s']:.1f} tok/s | "
                 f"JETFLOW {spec['tokens_per_s']:.1f} tok/s | tau {spec['tau']} | identical {row['identical']}"
             )
+        for prompt, row in zip(prompts, rows):  # after the timed runs: log-probs cost time
+            if not row["identical"]:
+                row["divergence"] = first_divergence(_token_logprobs(clients["ar"], model, prompt, config, 2),
+                                                     _token_logprobs(clients["jetflow"], model, prompt, config, 1))  # fmt: skip
+                echo(f"--- {prompt.id} differs: {row['divergence']}")
     finally:
         for server in servers.values():
             server.stop()
@@ -155,8 +195,10 @@ def run_bench(config: BenchConfig, echo=print) -> dict:
         "speedup": round(ar_time / spec_time, 3),
         "median_tau": statistics.median(taus) if (taus := [r["tau"] for r in rows if r["tau"] is not None]) else None,
         "all_identical": all(r["identical"] for r in rows),
+        "identical_share": round(sum(r["identical"] for r in rows) / len(rows), 3),
+        "differing_at_near_tie": sum(r.get("divergence", {}).get("near_tie", False) for r in rows),
     }
-    report = {"config": asdict(config), "head_dir": head_dir, "summary": summary, "requests": rows,
+    report = {"config": {**asdict(config), "dtype": dtype}, "head_dir": head_dir, "summary": summary, "requests": rows,
               "profile": last_profile(logs["jetflow"])}  # fmt: skip
     if config.out:
         Path(config.out).parent.mkdir(parents=True, exist_ok=True)
@@ -177,6 +219,11 @@ def format_table(report: dict) -> str:
         f"{'all':<22} {'':<5} {s['new_tokens']:>6} {s['ar_tokens_per_s']:>13.2f} {s['jetflow_tokens_per_s']:>13.2f} "
         f"{s['speedup']:>8.3f} {s['median_tau'] or 0:>6.2f} {str(s['all_identical']):>5}"
     )
+    differing = [r for r in rows if not r["identical"]]
+    if differing:
+        lines.append(f"{len(differing)} of {len(rows)} answers differ from the no-spec server's ({report['config']['dtype']}); "
+                     f"first difference at a near-tie (top-1 minus top-2 log-prob < {NEAR_TIE_GAP}): "
+                     f"{s['differing_at_near_tie']}; gaps: {[r.get('divergence', {}).get('gap') for r in differing]}")
     profile = report.get("profile")
     if profile:
         shares = ", ".join(f"{k} {100 * v:.0f}% ({profile['ms_per_round'][k]:.1f} ms)" for k, v in profile["share"].items())

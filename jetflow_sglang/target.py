@@ -22,6 +22,14 @@ def fast_dtype() -> torch.dtype:
     return torch.bfloat16 if {"amx_bf16", "avx512_bf16"} & set(flags) else torch.float32
 
 
+def serving_dtype(choice: str) -> str:
+    """A server's `--dtype` from a user's choice: `auto` is bf16 where its matmuls are native (a
+    tree verify is compute-bound, so bf16 makes it several times cheaper there), else fp32."""
+    if choice == "auto":
+        return "bfloat16" if fast_dtype() == torch.bfloat16 else "float32"
+    return {"fp32": "float32", "bf16": "bfloat16"}.get(choice, choice)
+
+
 def check_model_dir(path: str | Path, what: str = "target") -> Path:
     path = Path(path)
     if not path.is_dir():

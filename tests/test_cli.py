@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from jetflow_sglang.cli import main
+from jetflow_sglang.cli import build_parser, main
 
 JETFLOW = [sys.executable, "-m", "jetflow_sglang.cli"]
 
@@ -188,3 +189,23 @@ def test_eval_per_depth_scores_the_head_beside_prompt_lookup(prepared, tmp_path,
     assert main(args) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[:3] == ["depth", "1", "2"] and table[1].startswith("    head") and table[2].startswith("  lookup")
+
+
+def test_auto_dtype_is_bf16_exactly_where_its_matmuls_are_native():
+    from jetflow_sglang.target import fast_dtype, serving_dtype
+
+    native = "bfloat16" if fast_dtype() == torch.bfloat16 else "float32"
+    assert serving_dtype("auto") == native
+    assert (serving_dtype("fp32"), serving_dtype("bf16"), serving_dtype("float32")) == ("float32", "bfloat16", "float32")
+    assert build_parser().parse_args(["serve"]).dtype == "auto" == build_parser().parse_args(["bench"]).dtype
+
+
+def test_first_divergence_reports_the_no_spec_margin_where_answers_part():
+    from jetflow_sglang.served import NEAR_TIE_GAP, first_divergence
+
+    plain = [("a", [-0.1, -3.0]), ("b", [-0.70, -0.70 - NEAR_TIE_GAP / 2]), ("c", [-0.2, -2.0])]
+    assert first_divergence(plain, [("a", [-0.1]), ("x", [-0.6]), ("c", [-0.2])]) == {
+        "position": 1, "gap": round(NEAR_TIE_GAP / 2, 4), "near_tie": True}  # fmt: skip
+    far = first_divergence(plain, [("a", [-0.1]), ("b", [-0.7]), ("y", [-1.0])])
+    assert far["position"] == 2 and far["gap"] == pytest.approx(1.8) and not far["near_tie"]
+    assert first_divergence(plain, plain[:2])["position"] is None  # an earlier stop, not a different token

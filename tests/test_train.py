@@ -23,7 +23,7 @@ TRAIN_ARGS = ["--layers", "1", "--batch-tokens", "256", "--checkpoint-every", "2
 def data_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("regen") / "data"
     args = ["regenerate", "--prompts", "sharegpt", "--limit", "6", "--max-new-tokens", "32", "--backend", "hf",
-            "--batch-size", "6", "--out", str(out)]  # fmt: skip
+            "--batch-size", "6", "--dtype", "float32", "--out", str(out)]  # fmt: skip
     assert main(args) == 0
     return out
 
@@ -40,9 +40,10 @@ def test_regenerate_through_sglangs_engine_matches_hf(data_dir, tmp_path):
 
     out = tmp_path / "sglang"
     args = ["regenerate", "--prompts", "sharegpt", "--limit", "3", "--max-new-tokens", "16", "--backend", "sglang",
-            "--batch-size", "3", "--out", str(out)]  # fmt: skip
-    assert main(args) == 0
+            "--batch-size", "3", "--dtype", "float32", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0  # fp32 on both sides: in bf16 batched HF and SGLang may round a near-tie apart
     assert read_meta(out)["backends"] == ["sglang"] and read_meta(data_dir)["backends"] == ["hf"]
+    assert read_meta(out)["dtypes"] == read_meta(data_dir)["dtypes"] == ["float32"]
     hf = {e["id"]: e["response_ids"] for e in iter_examples(data_dir)}
     got = list(iter_examples(out))
     assert len(got) == 3

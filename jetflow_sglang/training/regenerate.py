@@ -43,16 +43,14 @@ class RegenerateConfig:
     seed: int = 0
     batch_size: int = 32
     backend: str = "auto"  # auto | sglang | hf | corpus
+    dtype: str = "auto"  # auto (bf16 where its matmuls are native, else float32) | float32 | bfloat16
 
 
 class HFBackend:
-    def __init__(self, target_dir: Path, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, target_dir: Path, dtype: str) -> None:
         from transformers import AutoModelForCausalLM
 
-        from jetflow_sglang.target import fast_dtype
-
-        dtype = dtype or fast_dtype()
-        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, use_safetensors=True).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype), use_safetensors=True).eval()
 
     @torch.inference_mode()
     def generate(self, batch: list[list[int]], config: RegenerateConfig, pad_id: int) -> list[list[int]]:
@@ -83,12 +81,9 @@ class HFBackend:
 
 
 class SGLangBackend:
-    def __init__(self, target_dir: Path) -> None:
+    def __init__(self, target_dir: Path, dtype: str) -> None:
         import sglang
 
-        from jetflow_sglang.target import fast_dtype
-
-        dtype = "bfloat16" if fast_dtype() == torch.bfloat16 else "float32"
         self.engine = sglang.Engine(model_path=str(target_dir), dtype=dtype, max_total_tokens=65536, log_level="error")
 
     def generate(self, batch: list[list[int]], config: RegenerateConfig, pad_id: int) -> list[list[int]]:
@@ -120,30 +115,31 @@ class CorpusBackend:
         pass
 
 
-def make_backend(name: str, target_dir: Path):
+def make_backend(name: str, target_dir: Path, dtype: str):
     if name == "auto" and not torch.cuda.is_available():
         name = "hf"  # on CPU, batched HF generation measured 2-3x the tokens/s of SGLang's Engine here
     if name in ("auto", "sglang"):
         try:
-            return SGLangBackend(target_dir)
+            return SGLangBackend(target_dir, dtype)
         except Exception as exc:  # SGLang may not run on this machine: fall back when asked to
             if name == "sglang":
                 raise JetFlowError(f"SGLang engine did not start: {exc}") from None
             import logging
 
             logging.getLogger(__name__).warning("SGLang engine did not start (%s); regenerating with HF", exc)
-    return HFBackend(target_dir)
+    return HFBackend(target_dir, dtype)
 
 
 def regenerate(config: RegenerateConfig) -> dict:
     from transformers import AutoTokenizer
 
     from jetflow_sglang.assets import resolve_target
-    from jetflow_sglang.target import check_model_dir
+    from jetflow_sglang.target import check_model_dir, serving_dtype
 
     if config.max_new_tokens < 1 or config.batch_size < 1:
         raise JetFlowError("max new tokens and batch size must be at least 1")
     target_dir = check_model_dir(resolve_target(config.target))
+    dtype = serving_dtype(config.dtype)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     out = Path(config.out)
     meta = {
@@ -165,6 +161,7 @@ def regenerate(config: RegenerateConfig) -> dict:
         earlier_backends = list(previous.get("backends", []))
     else:
         done, earlier_backends = set(), []
+    earlier_dtypes = list(read_meta(out).get("dtypes", [])) if out.exists() and shard_paths(out) else []
     prompts = load_prompts(config.prompts)[config.skip :][: config.limit]
     todo, answers = [], {}
     for prompt in prompts:
@@ -176,15 +173,16 @@ def regenerate(config: RegenerateConfig) -> dict:
             answers[tuple(ids)] = prompt.answer
     todo.sort(key=lambda item: len(item[1]))  # similar lengths batch together
     out.mkdir(parents=True, exist_ok=True)
-    write_meta(out, {**meta, "backends": earlier_backends})
+    write_meta(out, {**meta, "backends": earlier_backends, "dtypes": earlier_dtypes})
     if not todo:
         return {"out": str(out), "examples": len(done), "new": 0}
 
     from tqdm import tqdm
 
-    backend = CorpusBackend(tokenizer, answers) if config.backend == "corpus" else make_backend(config.backend, target_dir)
+    backend = CorpusBackend(tokenizer, answers) if config.backend == "corpus" else make_backend(config.backend, target_dir, dtype)
     used = {CorpusBackend: "corpus", HFBackend: "hf", SGLangBackend: "sglang"}[type(backend)]
     meta["backends"] = sorted(set(earlier_backends) | {used})  # every backend that wrote shards here
+    meta["dtypes"] = sorted(set(earlier_dtypes) | ({dtype} if used != "corpus" else set()))  # ... and its dtypes
     write_meta(out, meta)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     shard_index = len(shard_paths(out))
