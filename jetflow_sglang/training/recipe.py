@@ -72,11 +72,9 @@ def _data_dirs(config: RecipeConfig) -> tuple[Path, Path | None, Path]:
 
 
 def _eval_dtype(config: RecipeConfig) -> str:
-    import torch
+    from jetflow_sglang.target import serving_dtype
 
-    from jetflow_sglang.target import fast_dtype
-
-    return config.eval_dtype or ("bfloat16" if fast_dtype() == torch.bfloat16 else "float32")
+    return serving_dtype(config.eval_dtype or "auto")
 
 
 class Stages:
