@@ -257,7 +257,9 @@ class JetFlowHead(nn.Module):
     def draft_vocab_logits(self, hidden: Tensor) -> Tensor:
         """Logits over the draft vocabulary [..., K] (the whole target vocabulary when not pruned)."""
         lm_head = self._target_lm_head if self._draft_lm_head is None else self._draft_lm_head
-        return F.linear(hidden, lm_head.to(hidden.dtype))
+        # contiguous: on CPU a linear over a strided 3-d slice (the block minus its anchor, b > 1)
+        # measured 3x slower in fp32 and 50-100x slower in bf16 than over a copy
+        return F.linear(hidden.contiguous(), lm_head.to(hidden.dtype))
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Logits over the target vocabulary [..., V]; -inf outside a pruned draft vocabulary."""
