@@ -25,6 +25,12 @@ Runs in every SGLang process (``sglang.srt.plugins.load_plugins``):
   speculative algorithm, a request asking for what the tree walk does not apply yet
   (``spec_algo.request_error``: grammars, min_p, seeds) is refused with a 400 and a
   message saying why, instead of being served differently from the target alone;
+* wraps ``allocation_sizing.get_alloc_len_per_decode`` so that, while JETFLOW is the
+  speculative algorithm, a decode step allocates KV for the tree budget per request: a
+  JETFLOW round writes target K/V for its verified nodes alone (the head's context K/V live
+  in the proposer's own buffers), not the ``speculative_num_steps x topk`` (15 x 7 = 105) of an
+  EAGLE draft model, which SGLang's formula reserves twice over for every running request
+  (3,360 slots of an 8,192-token pool at 16 requests, at any budget), evicting the radix cache;
 * wraps ``ModelRunner._decode_cuda_graph_runner_cls`` and
   ``spec_info.create_dummy_verify_input`` (SGLang's own seams for per-algorithm graph
   runners and warmup inputs) so that JETFLOW's tree verify is captured in CUDA graphs
@@ -41,6 +47,7 @@ RESOLVE_ALIAS = "sglang.srt.arg_groups.speculative_hook._resolve_speculative_alg
 VALIDATE_REQUEST = "sglang.srt.managers.utils.validate_input_length"
 GRAPH_RUNNER_CLS = "sglang.srt.model_executor.model_runner.ModelRunner._decode_cuda_graph_runner_cls"
 DUMMY_VERIFY_INPUT = "sglang.srt.speculative.spec_info.create_dummy_verify_input"
+ALLOC_LEN_PER_DECODE = "sglang.srt.mem_cache.allocation_sizing.get_alloc_len_per_decode"
 
 
 def _on_jetflow_cpu() -> bool:
@@ -89,6 +96,14 @@ def _validate_request_around(original, req, *args, **kwargs):
     return error
 
 
+def _alloc_len_per_decode_around(original, *args, **kwargs):
+    if _jetflow_active():
+        from sglang.srt.runtime_context import max_speculative_num_draft_tokens
+
+        return max(1, int(max_speculative_num_draft_tokens() or 1))  # the tree budget (the adaptive cap)
+    return original(*args, **kwargs)
+
+
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -100,3 +115,4 @@ def register() -> None:
     HookRegistry.register(VALIDATE_REQUEST, _validate_request_around, HookType.AROUND)
     HookRegistry.register(GRAPH_RUNNER_CLS, verify_input.decode_graph_runner_cls, HookType.AROUND)
     HookRegistry.register(DUMMY_VERIFY_INPUT, verify_input.dummy_verify_input, HookType.AROUND)
+    HookRegistry.register(ALLOC_LEN_PER_DECODE, _alloc_len_per_decode_around, HookType.AROUND)
