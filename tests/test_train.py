@@ -52,6 +52,20 @@ def test_regenerate_through_sglangs_engine_matches_hf(data_dir, tmp_path):
         assert len(example["response_ids"]) == 16 or example["response_ids"] == hf[example["id"]]
 
 
+def test_resumed_regeneration_records_every_backend_and_dtype(tmp_path):
+    """A rerun answers only the prompts not answered yet; meta.json keeps every backend and
+    dtype that wrote shards (bf16 and fp32 answers can differ at near-ties)."""
+    from jetflow_sglang.training.data import iter_examples, read_meta
+
+    out = tmp_path / "data"
+    base = ["regenerate", "--prompts", "sharegpt", "--max-new-tokens", "2", "--backend", "hf", "--out", str(out)]
+    assert main([*base, "--limit", "1", "--dtype", "float32"]) == 0
+    assert read_meta(out)["dtypes"] == ["float32"]
+    assert main([*base, "--limit", "2", "--dtype", "bfloat16"]) == 0
+    assert len(list(iter_examples(out))) == 2
+    assert read_meta(out)["backends"] == ["hf"] and read_meta(out)["dtypes"] == ["bfloat16", "float32"]
+
+
 @pytest.mark.slow
 def test_train_writes_a_loadable_head_loss_curve_and_shared_feature_cache(data_dir, tmp_path, capsys):
     from transformers import AutoConfig

@@ -158,10 +158,9 @@ def regenerate(config: RegenerateConfig) -> dict:
         if previous.get("source", "target") != meta["source"]:
             raise JetFlowError(f"{out} holds answers from the {previous.get('source', 'target')}, not the {meta['source']}; use a new --out")
         done = {row["id"] for row in iter_examples(out)}
-        earlier_backends = list(previous.get("backends", []))
+        earlier_backends, earlier_dtypes = list(previous.get("backends", [])), list(previous.get("dtypes", []))
     else:
-        done, earlier_backends = set(), []
-    earlier_dtypes = list(read_meta(out).get("dtypes", [])) if out.exists() and shard_paths(out) else []
+        done, earlier_backends, earlier_dtypes = set(), [], []
     prompts = load_prompts(config.prompts)[config.skip :][: config.limit]
     todo, answers = [], {}
     for prompt in prompts:
