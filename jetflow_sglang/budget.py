@@ -16,9 +16,10 @@ non-decreasing fit, linear between and past the measured sizes; until two sizes 
 twice each, the ladder is measured smallest first. A table measured beforehand
 (`benchmarks/verify_cost.py`) can seed it; every round updates it (EMA). Under load bs * n
 grows and small trees win. When rounds with a head draft pass have been committing fewer
-tokens per second than rounds without one (measured, EMA per batch size, each against a plain
-step; a plain step counts 1), the next rounds skip the head: they verify the prompt-lookup
-chains alone, or the root alone where no request has one, running the head every
+tokens per second than this round would without one (measured, EMA per batch size, each
+against a plain step; a plain step counts 1; rounds verifying lookup chains alone where this
+round found chains, else a plain step), the next rounds skip the head: they verify the
+prompt-lookup chains alone, or the root alone where no request has one, running the head every
 `PROBE_EVERY`-th round to see whether that changed. Rounds that verify lookup chains without
 the head are measured the same way: when they have been committing fewer tokens per second
 than a plain step (text that repeats little: the chains are mostly wrong), the next rounds
@@ -235,12 +236,16 @@ class BudgetPolicy:
         ordered = probs.gather(1, prune_order(tree, probs))
         return ordered.cumsum(1).sum(0)
 
-    def skip_draft(self, batch: int) -> bool:
+    def skip_draft(self, batch: int, chains_found: bool = True) -> bool:
         """True when the head's draft pass has lately not paid at this batch size (its rounds
-        committed fewer tokens per second, against a plain step, than rounds without it: EMAs as
-        measured, a new batch size starting from the nearest measured one) and no probe is due:
-        the round then verifies what prompt lookup found, or the root alone, with no head pass."""
-        without_head = max(1.0, _nearest(self.chain_value, batch, 1.0))  # the better of chains alone and a plain step
+        committed fewer tokens per second, against a plain step, than this round would without
+        it: EMAs as measured, a new batch size starting from the nearest measured one) and no
+        probe is due: the round then verifies what prompt lookup found, or the root alone, with
+        no head pass. Without it this round verifies the lookup chains where some were found
+        (the better of them and a plain step), else the root alone (a plain step, worth 1): chain
+        rounds are measured only where text repeats, so their value says nothing of a round
+        without chains."""
+        without_head = max(1.0, _nearest(self.chain_value, batch, 1.0)) if chains_found else 1.0
         if not self.adaptive or _nearest(self.draft_value, batch, 1.0) >= without_head:
             return False
         if _probe_due(self.undrafted, batch, self._probe_interval("head", batch)):

@@ -205,6 +205,9 @@ def test_the_head_is_skipped_when_rounds_without_it_commit_faster():
         policy.observe(tree, four, verify_seconds=0.024, draft_seconds=None)  # lookup-only rounds: 4 tokens
     assert 1 < policy.draft_value[1] < policy.chain_value[1]
     assert [policy.skip_draft(1) for _ in range(8)] == [True] * 7 + [False]
+    # ... only in rounds that found chains: without any, the alternative is a plain step (worth 1),
+    # and chain rounds, measured where text repeats, say nothing of such a round.
+    assert not any(policy.skip_draft(1, chains_found=False) for _ in range(8))
     assert not policy.skip_chains(1)  # chains pay
     one = torch.tensor([[0, -1, -1, -1]])
     for _ in range(40):  # later text repeats nothing: lookup-only rounds commit one token

@@ -266,7 +266,7 @@ class JetFlowWorker(BaseSpecWorker):
         self.committed_ids.keep_only(batch.reqs)
         chains = self.lookup.chains(batch.reqs, seq_lens, anchors, self.committed_ids) if self.lookup else None
         # Adaptive: where the head's draft pass has not paid lately, rounds go without it.
-        head_drafts = not self.lookup_only and not self.budget_policy.skip_draft(bs)
+        head_drafts = not self.lookup_only and not self.budget_policy.skip_draft(bs, any(chains or ()))
         tree, skipped_chains, t = self._draft_tree(request, chains, head_drafts, t)
         budget = tree.budget  # this round's verify width (adaptive: up to the cap)
         draft_seconds = self.budget_policy.clock() - round_start if head_drafts else None
