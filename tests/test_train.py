@@ -132,8 +132,12 @@ def test_resume_repeats_the_uninterrupted_run_exactly(data_dir, tmp_path):
 def test_torchrun_ddp_on_two_cpu_processes(data_dir, tmp_path):
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    logs = tmp_path / "rank_logs"
+    # torchrun writes each rank's stdout to its own file (--redirects 1): on one shared pipe the two
+    # ranks' long report lines can interleave.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "-m", "jetflow_sglang.cli", "train", "--data", str(data_dir),
+           "--master_port", str(_free_port()), "--log-dir", str(logs), "--redirects", "1",
+           "-m", "jetflow_sglang.cli", "train", "--data", str(data_dir),
            "--out", str(out), "--steps", "2", *TRAIN_ARGS]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -141,8 +145,10 @@ def test_torchrun_ddp_on_two_cpu_processes(data_dir, tmp_path):
     assert len(history) == 2 and (out / "model.safetensors").is_file()
     # Each rank prints its report with both ranks' weight fingerprints: equal after the steps (a
     # rank that trained alone on its own draws would differ; the trainer also refuses to finish).
-    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 2, proc.stdout[-2000:]
+    rank_stdouts = sorted(logs.rglob("stdout.log"))
+    assert len(rank_stdouts) == 2, rank_stdouts
+    reports = [json.loads(line) for f in rank_stdouts for line in f.read_text().splitlines() if line.startswith('{"out"')]
+    assert len(reports) == 2, [f.read_text()[-2000:] for f in rank_stdouts]
     for report in reports:
         first, second = report["rank_fingerprints"]
         assert first == second, report["rank_fingerprints"]
