@@ -154,6 +154,18 @@ def plot(rows: list[dict], concurrency: list[int], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _policy_counts(log: Path) -> dict:
+    """The adaptive server's cumulative round counts: rounds per tree size, head passes skipped,
+    lookup chains skipped (from its last profile line)."""
+    policy = ((last_profile(log) if log.exists() else None) or {}).get("tree_sizes") or {}
+    counts = {f"size {k}": v for k, v in (policy.get("chosen") or {}).items()}
+    return {**counts, "skipped_drafts": policy.get("skipped_drafts", 0), "skipped_chains": policy.get("skipped_chains", 0)}
+
+
+def _count_difference(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+
+
 def save(rows: list[dict], args: argparse.Namespace, head: str) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -173,6 +185,9 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
             print(f"{drafter:<8}{variant:<28}" + "".join(
                 f"{line[c]['output_throughput']:>9.1f} {line[c]['vs_target']:>5.2f}x τ {line[c]['accept_length'] or 0:>4.2f}"
                 for c in args.concurrency))  # fmt: skip
+    for row in cells:
+        if "policy" in row:
+            print(f"{row['drafter']}: adaptive rounds at c={row['concurrency']}: {row['policy']}")
     for row in rows:
         if "chosen" in row:
             print(f"{row['drafter']}: adaptive tree sizes chosen (rounds) {row['chosen']}")
@@ -246,16 +261,19 @@ def main() -> None:
                     run(server.url, trackers[name], max(args.concurrency))
                 if k == 0:
                     run(target_server.url, target_tracker, max(args.concurrency))
+                adaptive_log = work / f"{drafter}-{len(variants) - 1}.log"
                 for c in args.concurrency:
                     base = run(target_server.url, target_tracker, c)
                     for name, server in servers.items():
+                        before = _policy_counts(adaptive_log)
                         cell = run(server.url, trackers[name], c)
                         row = {"drafter": drafter, "variant": f"JETFLOW {name}", "concurrency": c, **cell,
                                "target_throughput": base["output_throughput"], "target_median_tpot_ms": base["median_tpot_ms"],
                                "vs_target": round(cell["output_throughput"] / base["output_throughput"], 3)}  # fmt: skip
+                        if name.startswith("adaptive"):  # this cell's rounds (the log's cumulative counts, 20-round steps)
+                            row["policy"] = _count_difference(_policy_counts(adaptive_log), before)
                         rows.append(row)
                         print(json.dumps(row), flush=True)
-                adaptive_log = work / f"{drafter}-{len(variants) - 1}.log"
                 chosen = ((last_profile(adaptive_log) or {}).get("tree_sizes") or {}).get("chosen")
                 rows.append({"drafter": drafter, "variant": "adaptive tree sizes chosen (rounds)", "chosen": chosen})
                 if args.out:  # after every drafter: a run cut short keeps what it measured
