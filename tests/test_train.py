@@ -92,6 +92,11 @@ def test_train_writes_a_loadable_head_loss_curve_and_shared_feature_cache(data_d
     assert "parts to build" not in capsys.readouterr().out
     assert list(data_dir.glob("features-*")) == caches
     assert JetFlowHead.load(tmp_path / "baseline").config.causal is False
+    # A finished head continues with a new schedule: its weights and draft vocabulary carry over.
+    assert _train(data_dir, tmp_path / "continued", 1, "--init-head", str(tmp_path / "head"), "--lr", "1e-9") == 0
+    continued = load_file(str(tmp_path / "continued" / "model.safetensors"))
+    assert torch.equal(continued["draft_vocab"], state["draft_vocab"])
+    assert torch.allclose(continued["fc.weight"].float(), state["fc.weight"].float(), atol=1e-2)
     # A head in the published layout (q/k norms, a target row as MASK) trains and exports to JetSpec's.
     assert _train(data_dir, tmp_path / "layout", 1, "--qk-norm", "--mask-token-id", "0", "--no-tap-norm",
                   "--no-anchor-fusion", "--draft-vocab", "0") == 0  # fmt: skip

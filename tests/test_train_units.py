@@ -244,6 +244,8 @@ def test_most_frequent_tokens_and_coverage():
     store.input_ids = torch.tensor([9, 9, 5, 5, 5, 7, 9, 5, 7, 8])  # responses: 5 5 5 7 | 5 7 8
     ids, coverage = O.most_frequent_tokens(store, 2, 50)
     assert ids.tolist() == [5, 7] and coverage == pytest.approx(6 / 7)
+    assert O.vocab_coverage(store, ids, 50) == pytest.approx(6 / 7)
+    assert O.vocab_coverage(store, torch.tensor([8, 9]), 50) == pytest.approx(1 / 7)  # an inherited vocabulary
     table = O.draft_id_map(ids, 50)
     assert table[5] == 0 and table[7] == 1 and table[9] == -1
 

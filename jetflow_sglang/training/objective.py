@@ -54,14 +54,24 @@ def draft_id_map(draft_vocab: Tensor | None, vocab_size: int) -> Tensor:
     return table
 
 
-def most_frequent_tokens(store, size: int, vocab_size: int) -> tuple[Tensor, float]:
-    """The `size` most frequent response tokens of the store (ties: prompt counts, then id), sorted
-    by id, and the share of response tokens they cover."""
+def _response_counts(store, vocab_size: int) -> Tensor:
     is_response = torch.zeros(store.num_tokens, dtype=torch.bool)
     for index in range(len(store)):
         rows = store.sequence(index)
         is_response[rows.start + int(store.prompt_lens[index]) : rows.stop] = True
-    counts = torch.bincount(store.input_ids[is_response], minlength=vocab_size).double()
+    return torch.bincount(store.input_ids[is_response], minlength=vocab_size).double()
+
+
+def vocab_coverage(store, ids: Tensor, vocab_size: int) -> float:
+    """Share of the store's response tokens whose id is among `ids` (a draft vocabulary)."""
+    counts = _response_counts(store, vocab_size)
+    return float(counts[ids.long()].sum() / counts.sum()) if counts.sum() > 0 else 0.0
+
+
+def most_frequent_tokens(store, size: int, vocab_size: int) -> tuple[Tensor, float]:
+    """The `size` most frequent response tokens of the store (ties: prompt counts, then id), sorted
+    by id, and the share of response tokens they cover."""
+    counts = _response_counts(store, vocab_size)
     tie_break = 1e-9 * torch.bincount(store.input_ids, minlength=vocab_size).double()
     order = torch.sort(counts + tie_break, descending=True, stable=True).indices[:size]
     coverage = float(counts[order].sum() / counts.sum()) if counts.sum() > 0 else 0.0

@@ -215,6 +215,8 @@ def model_card(name: str, report: dict) -> str:
         f"  - `{Path(d).name}`: {v['examples']} examples, {v['prompt_tokens']:,} prompt and {v['response_tokens']:,} response tokens"
         for d, v in report["data"].items()
     )
+    corpus = (f", and the next {config['corpus_prompts']} with\n  ShareGPT's own answers run through the target teacher-forced "
+              f"(at most {config['corpus_max_new_tokens']} tokens)") if config["corpus_prompts"] else ""
     held_out = train.get("held_out") or {}
     coverage = ", ".join(f"{p} {r.get('draft_vocab_coverage', 1.0):.1%}" for p, r in report["per_depth"][name].items())
     return f"""# {title} for SmolLM2-135M-Instruct
@@ -230,8 +232,7 @@ Made by `make train-default` (`python -m jetflow_sglang.training.recipe`). Load 
   {train['draft_vocab']:,} most frequent target tokens of its data (covering {train['draft_vocab_coverage']:.1%} of
   the training response tokens); the target verifies over its full vocabulary.
 - **Data** (ShareGPT V3 train split, first user turns): the first {config['prompts']} prompts answered greedily by
-  the target itself (at most {config['max_new_tokens']} new tokens), and the next {config['corpus_prompts']} with
-  ShareGPT's own answers run through the target teacher-forced (at most {config['corpus_max_new_tokens']} tokens);
+  the target itself (at most {config['max_new_tokens']} new tokens){corpus};
   soft labels are the target's top-32 log-probs plus the tail mass at every position.
 {data_lines}
   HumanEval, the held-out ShareGPT slice and the validation slice are never trained on.

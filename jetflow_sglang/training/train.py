@@ -34,7 +34,7 @@ from jetflow_sglang.head import JetFlowConfig, JetFlowHead
 from jetflow_sglang.training import distributed
 
 from jetflow_sglang.training.objective import (LOSSES, depth_weights, draft_id_map, draw_slots, loss_and_backward,
-                                               most_frequent_tokens, slot_targets)  # fmt: skip
+                                               most_frequent_tokens, slot_targets, vocab_coverage)  # fmt: skip
 
 
 @dataclass
@@ -336,6 +336,8 @@ def train(config: TrainConfig, log=print) -> dict:
     if start_head is not None:
         head.load_state_dict(start_head.state_dict())  # its weights and its draft vocabulary
         del start_head
+        if head.draft_vocab is not None:  # the inherited vocabulary's coverage of this data
+            coverage = vocab_coverage(store, head.draft_vocab, vocab)
     head = head.to(device).bind_target(embedding, lm_head)
     del target  # only its embedding and lm_head are needed from here on
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
