@@ -265,12 +265,13 @@ def main() -> None:
                 for c in args.concurrency:
                     base = run(target_server.url, target_tracker, c)
                     for name, server in servers.items():
-                        before = _policy_counts(adaptive_log)
+                        adaptive = name.startswith("adaptive")
+                        before = _policy_counts(adaptive_log) if adaptive else None
                         cell = run(server.url, trackers[name], c)
                         row = {"drafter": drafter, "variant": f"JETFLOW {name}", "concurrency": c, **cell,
                                "target_throughput": base["output_throughput"], "target_median_tpot_ms": base["median_tpot_ms"],
                                "vs_target": round(cell["output_throughput"] / base["output_throughput"], 3)}  # fmt: skip
-                        if name.startswith("adaptive"):  # this cell's rounds (the log's cumulative counts, 20-round steps)
+                        if adaptive:  # this cell's rounds (the log's cumulative counts, 20-round steps)
                             row["policy"] = _count_difference(_policy_counts(adaptive_log), before)
                         rows.append(row)
                         print(json.dumps(row), flush=True)
