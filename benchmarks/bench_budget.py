@@ -72,11 +72,11 @@ def main() -> None:
     cap = max(args.budgets)
     variants = {"target": ([], {})}
     for budget in args.budgets:
-        variants[f"static {budget}"] = (sglang_server.jetflow_args(head_dir, budget), {})
+        variants[f"static {budget}"] = (sglang_server.jetflow_args(head_dir, budget), {"JETFLOW_PROFILE": "1"})
     variants[f"adaptive (cap {cap})"] = ([*sglang_server.jetflow_args(head_dir, cap), "--speculative-adaptive"],
                                          {"JETFLOW_PROFILE": "1", **({COST_TABLE_ENV: args.cost_table} if args.cost_table else {})})  # fmt: skip
     if args.lookup_only:
-        variants["lookup only"] = (sglang_server.jetflow_args(head_dir, cap), {LOOKUP_ENV: "only"})
+        variants["lookup only"] = (sglang_server.jetflow_args(head_dir, cap), {LOOKUP_ENV: "only", "JETFLOW_PROFILE": "1"})
     servers, logs = {}, {}
     table = {}
     try:
@@ -116,9 +116,15 @@ def main() -> None:
         print(f"{name:<20}" + "".join(
             f"{c['tokens_per_s']:>9.1f} tok/s {c['vs_target']:>5.2f}x{'' if c['identical'] else '*':1}" for c in cells))
     print(f"adaptive sizes chosen (rounds): {chosen}   (* = output differs from the target's)")
+    # Each JETFLOW server's mean milliseconds per decode round by phase (draft, tree, verify, ...):
+    # where adaptive and static rounds differ in cost, not only in size.
+    phases = {name: (last_profile(logs[name]) or {}).get("ms_per_round") for name in variants if name != "target"}
+    for name, ms in phases.items():
+        print(f"{name:<20} ms per round: {ms}")
     if args.out:
         report = {"config": {k: v for k, v in vars(args).items()}, "head": Path(head_dir).name,
-                  "rows": list(table.values()), "adaptive_chosen": chosen, "adaptive_profile": profile}  # fmt: skip
+                  "rows": list(table.values()), "adaptive_chosen": chosen, "adaptive_profile": profile,
+                  "ms_per_round": phases}  # fmt: skip
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))
 
