@@ -105,6 +105,14 @@ def launcher_env(env: Optional[dict] = None) -> dict:
     return full_env
 
 
+PORT_IN_USE = "address already in use"  # uvicorn's bind error; the launcher then hangs instead of exiting
+PORT_ATTEMPTS = 3  # a port picked by free_port() can be taken by another process before the server binds it
+
+
+class PortInUse(RuntimeError):
+    pass
+
+
 def start(
     target: str,
     log: Optional[Path],
@@ -116,8 +124,19 @@ def start(
     timeout_s: float = STARTUP_TIMEOUT_S,
 ) -> Server:
     """Start a server and wait until /health answers. Its output goes to `log` (None: this
-    process's stdout/stderr). Raises RuntimeError with the log tail if it does not come up."""
-    port = port or free_port()
+    process's stdout/stderr). Raises RuntimeError with the log tail if it does not come up. A
+    port picked here that another process took first is replaced by a new one (up to
+    `PORT_ATTEMPTS` launches); a port the caller chose that is in use is a clear error."""
+    for attempt in range(1 if port else PORT_ATTEMPTS):
+        try:
+            return _start_once(target, log, extra, env, port or free_port(), dtype, max_total_tokens, timeout_s)
+        except PortInUse as exc:
+            if port or attempt == PORT_ATTEMPTS - 1:
+                raise RuntimeError(str(exc)) from None
+    raise AssertionError("unreachable")
+
+
+def _start_once(target, log, extra, env, port: int, dtype: str, max_total_tokens: int, timeout_s: float) -> Server:
     url = f"http://{HOST}:{port}"
     cmd = server_cmd(target, port, *extra, dtype=dtype, max_total_tokens=max_total_tokens)
     out: IO | None = open(log, "wb") if log else None
@@ -132,6 +151,8 @@ def start(
         while not healthy(url):
             if proc.poll() is not None:
                 raise RuntimeError(f"sglang server exited with {proc.returncode}:\n{server.log_tail()}")
+            if PORT_IN_USE in server.log_tail().lower():
+                raise PortInUse(f"port {port} on {HOST} is in use")
             if time.monotonic() - t0 > timeout_s:
                 raise RuntimeError(f"sglang server not healthy after {timeout_s:.0f}s:\n{server.log_tail()}")
             time.sleep(1)

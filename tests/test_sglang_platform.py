@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from types import SimpleNamespace
 
@@ -94,6 +95,33 @@ def test_repeated_prompt_hits_radix_cache(server, hf_model):
     sglang_server.post(server.url + "/generate", body)
     again = sglang_server.post(server.url + "/generate", body)
     assert again["meta_info"]["cached_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_a_port_taken_before_the_server_binds_it(target_dir, tmp_path, monkeypatch):
+    """A port picked by `free_port` that another process holds by the time the server binds is
+    replaced by a new one (the launcher would otherwise hang until the startup timeout: it
+    happened once in the suite); a port the caller chose that is in use is a clear error."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind((sglang_server.HOST, 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        picks, pick_free = iter([busy]), sglang_server.free_port
+        monkeypatch.setattr(sglang_server, "free_port", lambda: next(picks, None) or pick_free())
+        server = sglang_server.start(target_dir, tmp_path / "moved.log", max_total_tokens=1024, timeout_s=300)
+        try:
+            assert not server.url.endswith(f":{busy}")
+            out = sglang_server.post(server.url + "/generate", {"text": "2+2=", "sampling_params": {"max_new_tokens": 2}})
+            assert out["meta_info"]["completion_tokens"] == 2
+        finally:
+            server.stop()
+        assert next(picks, None) is None  # the taken port was tried first
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=f"port {busy} on 127.0.0.1 is in use"):
+            sglang_server.start(target_dir, tmp_path / "chosen.log", port=busy, max_total_tokens=1024, timeout_s=300)
+        assert time.monotonic() - started < 200  # refused once the launcher fails to bind, not at the timeout
 
 
 @pytest.mark.slow
