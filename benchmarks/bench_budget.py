@@ -107,7 +107,10 @@ def main() -> None:
         for server in servers.values():
             server.stop()
     adaptive_name = f"adaptive (cap {cap})"
-    profile = last_profile(logs[adaptive_name])
+    # Each JETFLOW server's last profile: mean milliseconds per decode round by phase (draft, tree,
+    # verify, ...), so adaptive and static rounds are compared in cost, not only in size.
+    profiles = {name: last_profile(logs[name]) or {} for name in variants if name != "target"}
+    profile = profiles[adaptive_name] or None
     chosen = (profile or {}).get("tree_sizes", {}).get("chosen")
     print(f"\n{'variant':<20}" + "".join(f"{'c=' + str(c):>22}" for c in args.concurrency)
           + f"   ({len(prompts)} {args.prompts} prompts, {args.max_new_tokens} new tokens, {args.dtype})")  # fmt: skip
@@ -116,9 +119,7 @@ def main() -> None:
         print(f"{name:<20}" + "".join(
             f"{c['tokens_per_s']:>9.1f} tok/s {c['vs_target']:>5.2f}x{'' if c['identical'] else '*':1}" for c in cells))
     print(f"adaptive sizes chosen (rounds): {chosen}   (* = output differs from the target's)")
-    # Each JETFLOW server's mean milliseconds per decode round by phase (draft, tree, verify, ...):
-    # where adaptive and static rounds differ in cost, not only in size.
-    phases = {name: (last_profile(logs[name]) or {}).get("ms_per_round") for name in variants if name != "target"}
+    phases = {name: p.get("ms_per_round") for name, p in profiles.items()}
     for name, ms in phases.items():
         print(f"{name:<20} ms per round: {ms}")
     if args.out:

@@ -124,16 +124,15 @@ def start(
     timeout_s: float = STARTUP_TIMEOUT_S,
 ) -> Server:
     """Start a server and wait until /health answers. Its output goes to `log` (None: this
-    process's stdout/stderr). Raises RuntimeError with the log tail if it does not come up. A
-    port picked here that another process took first is replaced by a new one (up to
-    `PORT_ATTEMPTS` launches); a port the caller chose that is in use is a clear error."""
-    for attempt in range(1 if port else PORT_ATTEMPTS):
+    process's stdout/stderr). Raises RuntimeError with the log tail if it does not come up. With a
+    log, a failed bind is seen at once: a port picked here that another process took first is
+    replaced by a new one (up to `PORT_ATTEMPTS` launches); a port the caller chose is refused."""
+    for _ in range(0 if port else PORT_ATTEMPTS - 1):
         try:
-            return _start_once(target, log, extra, env, port or free_port(), dtype, max_total_tokens, timeout_s)
-        except PortInUse as exc:
-            if port or attempt == PORT_ATTEMPTS - 1:
-                raise RuntimeError(str(exc)) from None
-    raise AssertionError("unreachable")
+            return _start_once(target, log, extra, env, free_port(), dtype, max_total_tokens, timeout_s)
+        except PortInUse:
+            pass
+    return _start_once(target, log, extra, env, port or free_port(), dtype, max_total_tokens, timeout_s)
 
 
 def _start_once(target, log, extra, env, port: int, dtype: str, max_total_tokens: int, timeout_s: float) -> Server:
