@@ -231,8 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     regen.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     regen.add_argument("--batch-size", type=_positive("batch size"), default=32, help="prompts per engine call")
-    regen.add_argument("--backend", choices=["auto", "sglang", "hf", "corpus"], default="auto",
-                       help="who answers: SGLang's Engine, HF generate, or the corpus itself (teacher-forced in training)")
+    regen.add_argument("--backend", choices=["auto", "sglang", "torch", "hf", "corpus"], default="auto",
+                       help="who answers: SGLang's Engine, a batched plain-PyTorch decoder over the target's HF modules, "
+                            "HF generate, or the corpus itself (teacher-forced in training); auto: SGLang, else torch where SGLang does not start")
     regen.add_argument("--dtype", choices=SERVING_DTYPES, default="auto",
                        help="the answering target's dtype; auto (default): bf16 where its matmuls are native, else float32")
     regen.add_argument("--out", required=True, help="data directory (shards + meta.json); reruns resume")

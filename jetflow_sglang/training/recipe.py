@@ -38,7 +38,7 @@ class RecipeConfig:
     val_data: str = ""  # validation slice's answers; default: $JETFLOW_HOME/data/sharegpt-validation-corpus
     prompts: int = 300  # first ShareGPT train-split prompts answered by the target (over 512 prompt tokens: skipped)
     max_new_tokens: int = 256
-    regen_backend: str = "auto"  # auto | sglang | hf
+    regen_backend: str = "auto"  # auto | sglang | torch | hf
     corpus_prompts: int = 4500  # the next train-split prompts, with ShareGPT's answers; 0: none
     corpus_max_new_tokens: int = 512
     val_prompts: int = 64  # validation-slice prompts (ShareGPT's answers) scored at each checkpoint

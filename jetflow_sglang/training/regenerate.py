@@ -1,9 +1,10 @@
 """`jetflow regenerate`: responses written by the target itself, the head's training data.
 
 Prompts are rendered with the target's chat template; the target answers them
-(greedy, or sampled with a recorded seed) through SGLang's offline Engine when it
-runs here, else through batched HF generation. The `corpus` backend instead keeps the
-corpus's own answer (ShareGPT's), which training then runs through the target
+(greedy, or sampled with a recorded seed) through SGLang's offline Engine, the fastest measured
+here (`benchmarks/regen_speed.py`); where SGLang does not run, through a batched plain-PyTorch
+decoder (`batch_decode`, 2.2x HF `generate`), which stays as a dependency-light reference. The `corpus` backend
+instead keeps the corpus's own answer (ShareGPT's), which training then runs through the target
 teacher-forced: the soft labels are still the target's. Output is JSONL shards of
 token ids plus meta.json (target, tokenizer fingerprint, sampling, backend); a rerun
 skips ids already written, so an interrupted run resumes.
@@ -42,7 +43,7 @@ class RegenerateConfig:
     temperature: float = 0.0
     seed: int = 0
     batch_size: int = 32
-    backend: str = "auto"  # auto | sglang | hf | corpus
+    backend: str = "auto"  # auto | sglang | torch | hf | corpus
     dtype: str = "auto"  # auto (bf16 where its matmuls are native, else float32) | float32 | bfloat16
 
 
@@ -75,6 +76,24 @@ class HFBackend:
             cut = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
             responses.append(row[:cut])
         return responses
+
+    def close(self) -> None:
+        pass
+
+
+class TorchBackend:
+    """The target's HF modules run by `batch_decode.BatchDecoder` (preallocated KV cache)."""
+
+    def __init__(self, target_dir: Path, dtype: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from jetflow_sglang.training.batch_decode import BatchDecoder
+
+        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype), use_safetensors=True)
+        self.decoder = BatchDecoder(model)
+
+    def generate(self, batch: list[list[int]], config: RegenerateConfig, pad_id: int) -> list[list[int]]:
+        return self.decoder.generate(batch, config.max_new_tokens, config.temperature, config.seed)
 
     def close(self) -> None:
         pass
@@ -116,18 +135,24 @@ class CorpusBackend:
 
 
 def make_backend(name: str, target_dir: Path, dtype: str):
-    if name == "auto" and not torch.cuda.is_available():
-        name = "hf"  # on CPU, batched HF generation measured 2-3x the tokens/s of SGLang's Engine here
-    if name in ("auto", "sglang"):
-        try:
-            return SGLangBackend(target_dir, dtype)
-        except Exception as exc:  # SGLang may not run on this machine: fall back when asked to
-            if name == "sglang":
-                raise JetFlowError(f"SGLang engine did not start: {exc}") from None
-            import logging
+    """auto: SGLang's Engine (the fastest measured, GPU or CPU: benchmarks/regen_speed.py), else the
+    batched torch decoder, else HF generate for a model family the decoder does not run."""
+    if name == "torch":
+        return TorchBackend(target_dir, dtype)
+    if name == "hf":
+        return HFBackend(target_dir, dtype)
+    try:
+        return SGLangBackend(target_dir, dtype)
+    except Exception as exc:  # SGLang may not run on this machine: fall back when asked to
+        if name == "sglang":
+            raise JetFlowError(f"SGLang engine did not start: {exc}") from None
+        import logging
 
-            logging.getLogger(__name__).warning("SGLang engine did not start (%s); regenerating with HF", exc)
-    return HFBackend(target_dir, dtype)
+        logging.getLogger(__name__).warning("SGLang engine did not start (%s); regenerating without it", exc)
+    try:
+        return TorchBackend(target_dir, dtype)
+    except JetFlowError:
+        return HFBackend(target_dir, dtype)
 
 
 def regenerate(config: RegenerateConfig) -> dict:
@@ -179,7 +204,7 @@ def regenerate(config: RegenerateConfig) -> dict:
     from tqdm import tqdm
 
     backend = CorpusBackend(tokenizer, answers) if config.backend == "corpus" else make_backend(config.backend, target_dir, dtype)
-    used = {CorpusBackend: "corpus", HFBackend: "hf", SGLangBackend: "sglang"}[type(backend)]
+    used = {CorpusBackend: "corpus", HFBackend: "hf", SGLangBackend: "sglang", TorchBackend: "torch"}[type(backend)]
     meta["backends"] = sorted(set(earlier_backends) | {used})  # every backend that wrote shards here
     meta["dtypes"] = sorted(set(earlier_dtypes) | ({dtype} if used != "corpus" else set()))  # ... and its dtypes
     write_meta(out, meta)
