@@ -17,13 +17,16 @@ then to each JETFLOW variant, so a drafter's row and its target row are measured
 apart on the same machine. Reports bench_serving's output throughput and median TPOT, the
 ratio to the target alone in the same round, and the mean accept length of that run
 (bench_serving reports the server's running average; the per-run value is recovered from
-successive averages, see `AcceptTracker`). Prints a table, writes JSON and a PNG.
+successive averages, see `AcceptTracker`). With --rounds R every cell is measured R times,
+the rounds going over all concurrencies in turn, and the table holds each cell's medians (one
+round of a cell on this 2-core CPU moves by up to ±0.1x). Prints a table, writes JSON and a PNG.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -166,6 +169,29 @@ def _count_difference(after: dict, before: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
 
 
+def median_cells(measured: list[dict]) -> list[dict]:
+    """One row per (drafter, variant, concurrency): the median over rounds of throughput, TPOT,
+    accept length and ratio (each round's ratio against that round's target run), with every
+    round's row kept under "rounds"; the adaptive policy's round counts are summed."""
+    cells: dict[tuple, list[dict]] = {}
+    for row in measured:
+        cells.setdefault((row["drafter"], row["variant"], row["concurrency"]), []).append(row)
+    rows = []
+    for (drafter, variant, c), runs in cells.items():
+        row = {"drafter": drafter, "variant": variant, "concurrency": c}
+        for key in ("output_throughput", "median_tpot_ms", "accept_length", "target_throughput", "target_median_tpot_ms", "vs_target"):
+            values = [r[key] for r in runs if r[key] is not None]
+            row[key] = round(statistics.median(values), 3) if values else None
+        if any("policy" in r for r in runs):
+            row["policy"] = {}
+            for r in runs:
+                for k, v in r.get("policy", {}).items():
+                    row["policy"][k] = row["policy"].get(k, 0) + v
+        row["rounds"] = [{k: v for k, v in r.items() if k not in ("drafter", "variant", "concurrency")} for r in runs]
+        rows.append(row)
+    return rows
+
+
 def save(rows: list[dict], args: argparse.Namespace, head: str) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -176,7 +202,7 @@ def save(rows: list[dict], args: argparse.Namespace, head: str) -> None:
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     cells = [r for r in rows if "concurrency" in r]
-    print(f"\n{args.prompts}: {args.output_len} output tokens per request, {args.dtype}; "
+    print(f"\n{args.prompts}: {args.output_len} output tokens per request, {args.dtype}, median of {args.rounds} round(s); "
           "output tokens/s, ratio to the target alone, accept length")  # fmt: skip
     print(f"{'drafter':<8}{'variant':<28}" + "".join(f"{'c=' + str(c):>25}" for c in args.concurrency))
     for drafter in dict.fromkeys(r["drafter"] for r in cells):
@@ -204,6 +230,9 @@ def main() -> None:
     parser.add_argument("--drafters", type=drafter_list, default=["head", "p=0.6", "p=0.8"],
                         help="comma list, in order: head (the --head) and/or acceptance rates p of the synthetic proposer")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens per request (ignore_eos)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds over all concurrencies (each cell's target and JETFLOW runs interleaved per round); "
+                             "the table reports per-cell medians")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="dtype of every server (auto: bf16 where its matmuls are native, else float32)")
     parser.add_argument("--max-total-tokens", type=int, default=16384, help="KV pool of each server")
@@ -262,19 +291,22 @@ def main() -> None:
                 if k == 0:
                     run(target_server.url, target_tracker, max(args.concurrency))
                 adaptive_log = work / f"{drafter}-{len(variants) - 1}.log"
-                for c in args.concurrency:
-                    base = run(target_server.url, target_tracker, c)
-                    for name, server in servers.items():
-                        adaptive = name.startswith("adaptive")
-                        before = _policy_counts(adaptive_log) if adaptive else None
-                        cell = run(server.url, trackers[name], c)
-                        row = {"drafter": drafter, "variant": f"JETFLOW {name}", "concurrency": c, **cell,
-                               "target_throughput": base["output_throughput"], "target_median_tpot_ms": base["median_tpot_ms"],
-                               "vs_target": round(cell["output_throughput"] / base["output_throughput"], 3)}  # fmt: skip
-                        if adaptive:  # this cell's rounds (the log's cumulative counts, 20-round steps)
-                            row["policy"] = _count_difference(_policy_counts(adaptive_log), before)
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
+                measured: list[dict] = []
+                for round_ in range(args.rounds):
+                    for c in args.concurrency:
+                        base = run(target_server.url, target_tracker, c)
+                        for name, server in servers.items():
+                            adaptive = name.startswith("adaptive")
+                            before = _policy_counts(adaptive_log) if adaptive else None
+                            cell = run(server.url, trackers[name], c)
+                            row = {"drafter": drafter, "variant": f"JETFLOW {name}", "concurrency": c, "round": round_, **cell,
+                                   "target_throughput": base["output_throughput"], "target_median_tpot_ms": base["median_tpot_ms"],
+                                   "vs_target": round(cell["output_throughput"] / base["output_throughput"], 3)}  # fmt: skip
+                            if adaptive:  # this cell's rounds (the log's cumulative counts, 20-round steps)
+                                row["policy"] = _count_difference(_policy_counts(adaptive_log), before)
+                            measured.append(row)
+                            print(json.dumps(row), flush=True)
+                rows += median_cells(measured)
                 chosen = ((last_profile(adaptive_log) or {}).get("tree_sizes") or {}).get("chosen")
                 rows.append({"drafter": drafter, "variant": "adaptive tree sizes chosen (rounds)", "chosen": chosen})
                 if args.out:  # after every drafter: a run cut short keeps what it measured
