@@ -239,6 +239,8 @@ def main() -> None:
     parser.add_argument("--cost-table", default=None, help="JETFLOW_COST_TABLE of the adaptive servers (benchmarks/verify_cost.py)")
     parser.add_argument("--out", default=None, help="write the JSON report here (and a PNG beside it)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     args.dtype = serving_dtype(args.dtype)
 
     from transformers import AutoTokenizer
