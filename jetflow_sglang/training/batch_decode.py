@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # Qwen2's is the same
 
 from jetflow_sglang.errors import JetFlowError
 
@@ -43,8 +44,6 @@ class BatchDecoder:
         b, T = tokens.shape
         hidden = decoder.embed_tokens(tokens)
         cos, sin = decoder.rotary_emb(hidden, positions)
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         end = start + T
         mask = keep.repeat(1, 1, self.groups, 1)  # [b, 1, groups * T, end]: query rows grouped per KV head
         for index, layer in enumerate(decoder.layers):
