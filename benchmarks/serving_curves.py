@@ -19,7 +19,9 @@ ratio to the target alone in the same round, and the mean accept length of that 
 (bench_serving reports the server's running average; the per-run value is recovered from
 successive averages, see `AcceptTracker`). With --rounds R every cell is measured R times,
 the rounds going over all concurrencies in turn, and the table holds each cell's medians (one
-round of a cell on this 2-core CPU moves by up to ±0.1x). Prints a table, writes JSON and a PNG.
+round of a cell on this 2-core CPU moves by up to ±0.1x). --adaptive-only leaves the static
+budgets out. The adaptive server's rounds by kind (root alone, lookup chains, head) and batch
+size, from its profile, go to the JSON and the table. Prints a table, writes JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -217,6 +219,11 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     for row in rows:
         if "chosen" in row:
             print(f"{row['drafter']}: adaptive tree sizes chosen (rounds) {row['chosen']}")
+        for kind, by_batch in (row.get("rounds_by_batch") or {}).items():  # the adaptive server's whole life
+            cells = [f"{b}: {r['rounds']}x {r['ms']:.0f} ms {r['tokens']:.2f} tok" + (f" {r['vs_root']:.2f}" if "vs_root" in r else "")
+                     for b, r in by_batch.items() if r["rounds"] >= 3]  # fmt: skip
+            if cells:
+                print(f"  {kind} rounds by batch size (rounds, mean ms, tokens per request, tokens/s vs root-only): " + "; ".join(cells))
 
 
 def main() -> None:
@@ -237,6 +244,8 @@ def main() -> None:
                         help="dtype of every server (auto: bf16 where its matmuls are native, else float32)")
     parser.add_argument("--max-total-tokens", type=int, default=16384, help="KV pool of each server")
     parser.add_argument("--cost-table", default=None, help="JETFLOW_COST_TABLE of the adaptive servers (benchmarks/verify_cost.py)")
+    parser.add_argument("--adaptive-only", action="store_true",
+                        help="run no static-budget servers: the target alone against JETFLOW adaptive (cap: the largest --budgets)")
     parser.add_argument("--out", default=None, help="write the JSON report here (and a PNG beside it)")
     args = parser.parse_args()
     if args.rounds < 1:
@@ -262,7 +271,8 @@ def main() -> None:
     # SGLang folds accept counts into its running average only at --decode-log-interval
     # rounds: every round here, so the average is current when a run ends.
     every_round = ["--decode-log-interval", "1"]
-    variants = {f"static {b}": ([*sglang_server.jetflow_args(head_dir, b), *every_round], {}) for b in args.budgets}
+    static = [] if args.adaptive_only else args.budgets
+    variants = {f"static {b}": ([*sglang_server.jetflow_args(head_dir, b), *every_round], {}) for b in static}
     adaptive_env = {"JETFLOW_PROFILE": "1", **({COST_TABLE_ENV: args.cost_table} if args.cost_table else {})}
     variants[f"adaptive (cap {cap})"] = ([*sglang_server.jetflow_args(head_dir, cap), *every_round, "--speculative-adaptive"], adaptive_env)
     start = dict(dtype=args.dtype, max_total_tokens=args.max_total_tokens)
@@ -309,8 +319,9 @@ def main() -> None:
                             measured.append(row)
                             print(json.dumps(row), flush=True)
                 rows += median_cells(measured)
-                chosen = ((last_profile(adaptive_log) or {}).get("tree_sizes") or {}).get("chosen")
-                rows.append({"drafter": drafter, "variant": "adaptive tree sizes chosen (rounds)", "chosen": chosen})
+                policy = (last_profile(adaptive_log) or {}).get("tree_sizes") or {}
+                rows.append({"drafter": drafter, "variant": "adaptive tree sizes chosen (rounds)", "chosen": policy.get("chosen"),
+                             "rounds_by_batch": policy.get("rounds_by_batch")})  # fmt: skip
                 if args.out:  # after every drafter: a run cut short keeps what it measured
                     save(rows, args, Path(head_dir).name)
             finally:

@@ -9,8 +9,9 @@ One JETFLOW server (127.0.0.1, --max-total-tokens 16384) runs with JETFLOW_BUDGE
 rounds take every size on the ladder 1, 2, 4, ... up to --cap in turn, timing each verify (and,
 on a GPU, synchronizing first). Requests of --max-new-tokens (EOS ignored) go in at each
 concurrency, so batches of 1..16 requests verify 1..16 x cap tokens. The table is read from the
-server's profile log; the output JSON is what `JETFLOW_COST_TABLE` loads (`verify_ms` by verify
-tokens, `draft_ms`), with the machine and settings beside it. Prints the table.
+server's profile log; the output JSON is what `JETFLOW_COST_TABLE` loads (`verify_ms` of trees by
+verify tokens, `plain_ms` of root-only rounds by batch size, `draft_ms`), with the machine and
+settings beside it. Prints the table.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def main() -> None:
     if profile is None:
         raise SystemExit(f"verify_cost: no profile line in {log}")
     table = CostTable.from_json(profile["tree_sizes"]["cost"])
-    for name, curve, unit in (("verify", table.verify, "verify tokens"), ("draft pass", table.draft, "batch size")):
+    curves = (("verify", table.verify, "verify tokens"), ("plain step", table.plain, "batch size"), ("draft pass", table.draft, "batch size"))
+    for name, curve, unit in curves:
         print(f"\n{unit:>14} {name + ' ms':>14} {'read as (monotone)':>19}")
         for size, seconds in sorted(curve.seconds_at.items()):
             print(f"{size:>14} {seconds * 1e3:>14.2f} {curve.seconds(size) * 1e3:>19.2f}")

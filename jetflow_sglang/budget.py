@@ -11,9 +11,9 @@ sum of each node's probability of being on the accepted path, read from its path
 depth through a calibration of the acceptance observed so far (a head's probabilities are not
 calibrated; a prompt-lookup chain node's score is a fixed guess), capped by its ancestors' so
 the n nodes form a tree (`tree.prune_tree`). Costs come from a table of measured rounds
-(`CostTable`): verify seconds by verify tokens, draft seconds by batch size, read through a
-non-decreasing fit, linear between and past the measured sizes; until two sizes are measured
-twice each, the ladder is measured smallest first. A table measured beforehand
+(`CostTable`): verify seconds by verify tokens, plain steps (n = 1) and draft seconds by batch
+size, read through a non-decreasing fit, linear between and past the measured sizes; until two
+tree sizes are measured twice each, the ladder is measured smallest first. A table measured beforehand
 (`benchmarks/verify_cost.py`) can seed it; every round updates it (EMA). Under load bs * n
 grows and small trees win. When rounds with a head draft pass have been committing fewer
 tokens per second than this round would without one (measured, EMA per batch size, each
@@ -23,11 +23,14 @@ prompt-lookup chains alone, or the root alone where no request has one, running 
 `PROBE_EVERY`-th round to see whether that changed. Rounds that verify lookup chains without
 the head are measured the same way: when they have been committing fewer tokens per second
 than a plain step (text that repeats little: the chains are mostly wrong), the next rounds
-verify the root alone, a plain decode step, probing the chains every `PROBE_EVERY`-th round;
-each such round also checks the skipped chains' first tokens against what the target committed
-and values the chains from that (`observe_skipped_chains`), so they return when text repeats.
-A probe that loses time (a head pass at a large batch) comes more rarely: often enough that
-probes lose at most `PROBE_SHARE` of the plain steps' time between them.
+verify the root alone, a plain decode step. Such a round needs no probe to see whether that
+changed: it checks the skipped chains' first tokens against what the target committed and
+values the chains from that (`observe_skipped_chains`), so they return when text repeats. A
+head probe that loses time (a head pass at a large batch) comes more rarely: often enough that
+probes lose at most `PROBE_SHARE` of the plain steps' time between them. Against a plain step,
+a drafting round (head or chains) must be worth more than 1 (`pay_bar`): what it costs beyond
+its own seconds (requests that advance unevenly finish apart, so later rounds run partly empty
+and new requests come in more, smaller prefills) shows in no round's tokens per second.
 """
 
 from __future__ import annotations
@@ -56,7 +59,12 @@ EMA = 0.2
 MIN_SAMPLES = 2  # rounds at a size before the cost table trusts it (a loaded table counts as this)
 MAX_WEIGHT = 20  # samples weighing a size in the monotone fit (recent EMA values stay live)
 PROBE_EVERY = 8  # while drafting does not pay, every 8th round drafts anyway to see if that changed
-PROBE_SHARE = 0.05  # ... or more rarely: probes may cost at most this share of the plain steps' time
+PROBE_SHARE = 0.02  # ... or more rarely: probes may cost at most this share of the plain steps' time
+# A round that drafts must buy this much more than a plain step where other requests share the
+# batch: requests that advance at different rates finish apart, so the batch then runs partly
+# empty and admits new requests in more, smaller prefills (measured at 16 fixed-length requests
+# in flight), a cost no round sees in its own tokens per second. A lone request pays none of it.
+PAY_MARGIN = 0.1
 VALUE_EMA = 0.1
 
 
@@ -128,19 +136,45 @@ class Curve:
 
 @dataclass
 class CostTable:
-    """What a round costs: the verify (tree verify + acceptance) by verify tokens (bs * n), and
-    the draft pass (head, tree build, free branch) by batch size."""
+    """What a round costs: the verify (tree verify + acceptance) of a tree by verify tokens
+    (bs * n), a plain step (the root alone, n = 1) by batch size, and the draft pass (head, tree
+    build, free branch) by batch size. Plain steps are kept apart because bs requests of one
+    token cost more than one request of bs nodes (each request attends over its own context):
+    on one tokens axis, root-only rounds at batch 16 priced a 16-node tree at batch 1 a quarter
+    too high."""
 
     verify: Curve = field(default_factory=Curve)
     draft: Curve = field(default_factory=Curve)
+    plain: Curve = field(default_factory=Curve)
+
+    def plain_seconds(self, batch: int) -> float:
+        """A plain step at this batch size: measured (within the measured batch sizes), or else a
+        verify of `batch` tokens, or else the nearest measured plain step."""
+        if self.plain.known(batch) or not self.verify.seconds_at:
+            return self.plain.seconds(batch)
+        return self.verify.seconds(batch)
+
+    def round_seconds(self, batch: int, n: int) -> float:
+        """The verify of n nodes per request at this batch size."""
+        return self.plain_seconds(batch) if n == 1 else self.verify.seconds(batch * n)
+
+    def known(self, batch: int, n: int) -> bool:
+        return (n == 1 and self.plain.known(batch)) or self.verify.known(batch * n)
+
+    def observe_round(self, batch: int, n: int, seconds: float) -> None:
+        if n == 1:
+            self.plain.observe(batch, seconds)
+        else:
+            self.verify.observe(batch * n, seconds)
 
     def to_json(self) -> dict:
-        return {"verify_ms": self.verify.to_ms(), "draft_ms": self.draft.to_ms()}
+        return {"verify_ms": self.verify.to_ms(), "draft_ms": self.draft.to_ms(), "plain_ms": self.plain.to_ms()}
 
     @classmethod
     def from_json(cls, data: dict) -> "CostTable":
         try:
-            return cls(Curve.from_ms(data["verify_ms"], "verify tokens"), Curve.from_ms(data.get("draft_ms") or {}, "batch sizes"))
+            return cls(Curve.from_ms(data["verify_ms"], "verify tokens"), Curve.from_ms(data.get("draft_ms") or {}, "batch sizes"),
+                       Curve.from_ms(data.get("plain_ms") or {}, "batch sizes"))  # fmt: skip
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"cost table needs {{'verify_ms': {{tokens: ms}}, 'draft_ms': {{batch: ms}}}}: {exc!r}") from None
         except ValueError as exc:
@@ -207,12 +241,13 @@ class BudgetPolicy:
         self.draft_value: dict[int, float] = {}  # batch size -> EMA of (head-drafted round's rate / plain step's)
         self.chain_value: dict[int, float] = {}  # the same for rounds verifying lookup chains without the head
         self.undrafted: dict[int, int] = {}  # batch size -> rounds verified without a draft since
-        self.unchained: dict[int, int] = {}  # batch size -> rounds verified root-only, chains found, since
-        # head|chains -> batch size -> EMA of a round's seconds beyond those of the plain steps that
-        # would commit as many tokens (0 when it pays)
-        self.round_loss: dict[str, dict[int, float]] = {"head": {}, "chains": {}}
+        # batch size -> EMA of a head round's seconds beyond those of the plain steps that would
+        # commit as many tokens (0 when it pays): how rarely to probe
+        self.head_loss: dict[int, float] = {}
         self.skipped_drafts = 0
         self.skipped_chains = 0
+        # root|chains|head|credited -> batch size -> [rounds, seconds, committed tokens] (reports)
+        self.round_totals: dict[str, dict[int, list[float]]] = {k: {} for k in ("root", "chains", "head", "credited")}
 
     @property
     def adaptive(self) -> bool:
@@ -237,40 +272,41 @@ class BudgetPolicy:
         return ordered.cumsum(1).sum(0)
 
     def skip_draft(self, batch: int, chains_found: bool = True) -> bool:
-        """True when the head's draft pass has lately not paid at this batch size (its rounds
-        committed fewer tokens per second, against a plain step, than this round would without
-        it: EMAs as measured, a new batch size starting from the nearest measured one) and no
-        probe is due: the round then verifies what prompt lookup found, or the root alone, with
-        no head pass. Without it this round verifies the lookup chains where some were found
-        (the better of them and a plain step), else the root alone (a plain step, worth 1): chain
-        rounds are measured only where text repeats, so their value says nothing of a round
-        without chains."""
-        without_head = max(1.0, _nearest(self.chain_value, batch, 1.0)) if chains_found else 1.0
-        if not self.adaptive or _nearest(self.draft_value, batch, 1.0) >= without_head:
+        """True when the head's draft pass has lately not paid at this batch size and no probe is
+        due: the round then verifies what prompt lookup found, or the root alone, with no head
+        pass. Paid means its rounds committed more tokens per second, against a plain step, than
+        this round would without it (EMAs as measured, a new batch size starting from the
+        nearest measured one): the lookup chains where some were found, else the root alone (a
+        plain step, worth 1), and at least `pay_bar`. Chain rounds are measured only
+        where text repeats, so their value says nothing of a round without chains."""
+        bar = pay_bar(batch)
+        without_head = max(bar, _nearest(self.chain_value, batch, bar)) if chains_found else bar
+        if not self.adaptive or _nearest(self.draft_value, batch, bar) >= without_head:
             return False
-        if _probe_due(self.undrafted, batch, self._probe_interval("head", batch)):
+        if _probe_due(self.undrafted, batch, self._probe_interval(batch)):
             return False
         self.skipped_drafts += 1
         return True
 
     def skip_chains(self, batch: int) -> bool:
         """In a round without the head where prompt lookup found chains: True when such rounds
-        have lately committed fewer tokens per second than a plain step at this batch size and no
-        probe is due; the round then verifies the root alone."""
-        if not self.adaptive or _nearest(self.chain_value, batch, 1.0) >= 1.0:
-            return False
-        if _probe_due(self.unchained, batch, self._probe_interval("chains", batch)):
+        have lately committed fewer tokens per second than `pay_bar` plain steps at this batch
+        size. The round then verifies the root alone and values the chains it skipped from
+        what the target commits (`observe_skipped_chains`) instead of probing them: a probe at
+        a large batch loses time, and sets requests apart that would otherwise finish together."""
+        bar = pay_bar(batch)
+        if not self.adaptive or _nearest(self.chain_value, batch, bar) >= bar:
             return False
         self.skipped_chains += 1
         return True
 
-    def _probe_interval(self, kind: str, batch: int) -> int:
-        """Rounds between probes: `PROBE_EVERY`, or more where a probe round loses more than
+    def _probe_interval(self, batch: int) -> int:
+        """Rounds between head probes: `PROBE_EVERY`, or more where a probe round loses more than
         `PROBE_SHARE` of that many plain steps."""
-        loss = _nearest(self.round_loss[kind], batch, 0.0)
-        if loss <= 0.0 or not self.cost.verify.seconds_at:
+        loss = _nearest(self.head_loss, batch, 0.0)
+        if loss <= 0.0 or not (self.cost.verify.seconds_at or self.cost.plain.seconds_at):
             return PROBE_EVERY
-        return max(PROBE_EVERY, math.ceil(loss / (PROBE_SHARE * self.cost.verify.seconds(batch))))
+        return max(PROBE_EVERY, math.ceil(loss / (PROBE_SHARE * self.cost.plain_seconds(batch))))
 
     def choose(self, tree: DraftTree) -> tuple[int, Tensor | None]:
         """This round's tree size, and the node priority to prune the tree to it by (None: the
@@ -289,14 +325,13 @@ class BudgetPolicy:
     def _best_size(self, tree: DraftTree, probs: Tensor) -> int:
         batch = tree.tokens.shape[0]
         candidates = [n for n in self.ladder if n <= tree.budget]
-        verify = self.cost.verify
-        if len(verify.trusted()) < 2:  # too little to extrapolate from: measure, smallest first
+        if len(self.cost.verify.trusted()) < 2:  # too little to extrapolate from: measure, smallest first
             for n in candidates:
-                if not verify.known(batch * n):
+                if not self.cost.known(batch, n):
                     return n
         commits = self.expected_commits(tree, probs).tolist()
         draft = self.cost.draft.seconds(batch) if self.cost.draft.seconds_at else 0.0  # paid whatever n is
-        rates = {n: commits[n - 1] / (draft + verify.seconds(batch * n)) for n in candidates}
+        rates = {n: commits[n - 1] / (draft + self.cost.round_seconds(batch, n)) for n in candidates}
         return max(candidates, key=lambda n: (rates[n], -n))
 
     def clock(self) -> float:
@@ -316,19 +351,21 @@ class BudgetPolicy:
             on_path.scatter_(1, path.clamp(min=0), path >= 0)
             self.calibration.observe(path_scores(tree)[:, 1:].flatten(), tree.depths[:, 1:].flatten(), on_path[:, 1:].flatten())
         batch = tree.tokens.shape[0]
-        self.cost.verify.observe(tree.tokens.numel(), verify_seconds)
+        self.cost.observe_round(batch, tree.budget, verify_seconds)
         if draft_seconds is not None:
             self.cost.draft.observe(batch, draft_seconds)
         # What this round bought: committed tokens per second against a plain step's, kept apart
         # for rounds with and without the head's draft pass.
         committed = int((path >= 0).sum())
-        seconds, plain = (draft_seconds or 0.0) + verify_seconds, self.cost.verify.seconds(batch)
+        seconds, plain = (draft_seconds or 0.0) + verify_seconds, self.cost.plain_seconds(batch)
         value = committed / seconds * plain / batch
-        if draft_seconds is None and tree.budget == 1:
+        kind = "head" if draft_seconds is not None else ("chains" if tree.budget > 1 else "root")
+        _total(self.round_totals[kind], batch, seconds, committed)
+        if kind == "root":
             return  # a plain step: worth 1 by definition
-        kind, values = ("head", self.draft_value) if draft_seconds is not None else ("chains", self.chain_value)
-        _ema(values, batch, value, VALUE_EMA)
-        _ema(self.round_loss[kind], batch, max(0.0, seconds - committed * plain / batch), VALUE_EMA)
+        _ema(self.draft_value if kind == "head" else self.chain_value, batch, value, VALUE_EMA)
+        if kind == "head":
+            _ema(self.head_loss, batch, max(0.0, seconds - committed * plain / batch), VALUE_EMA)
 
     def observe_skipped_chains(self, chains: DraftTree, next_tokens: Tensor) -> None:
         """After a root-only round that skipped the lookup chains `chains` (`skip_chains`): what
@@ -347,13 +384,35 @@ class BudgetPolicy:
         first_hit = (chains.tokens[:, 1] == next_tokens) & (chains.scores[:, 1] > FILLER_SCORE / 2)
         given_hit = probs[:, 1:size].sum(1) / probs[:, 1].clamp(min=1e-6)
         commits = float((1.0 + first_hit.float() * given_hit).sum())
-        plain = self.cost.verify.seconds(batch)
-        _ema(self.chain_value, batch, commits / self.cost.verify.seconds(batch * size) * plain / batch, VALUE_EMA)
+        plain, seconds = self.cost.plain_seconds(batch), self.cost.round_seconds(batch, size)
+        _total(self.round_totals["credited"], batch, seconds, commits)
+        _ema(self.chain_value, batch, commits / seconds * plain / batch, VALUE_EMA)
 
     def report(self) -> dict:
         return {"mode": self.mode, "cap": self.cap, "chosen": dict(sorted(self.chosen.items())),
                 "skipped_drafts": self.skipped_drafts, "skipped_chains": self.skipped_chains,
-                "cost": self.cost.to_json()}  # fmt: skip
+                "cost": self.cost.to_json(), "rounds_by_batch": self.totals_report()}  # fmt: skip
+
+    def totals_report(self) -> dict:
+        """Per round kind and batch size: rounds, mean ms, committed tokens per request per round,
+        and tokens per second against the root-only rounds' at that size (credited: skipped
+        chains as `observe_skipped_chains` valued them)."""
+        report = {}
+        for kind, by_batch in self.round_totals.items():
+            rows = {}
+            for batch, (rounds, seconds, committed) in sorted(by_batch.items()):
+                row = {"rounds": int(rounds), "ms": round(1e3 * seconds / rounds, 2), "tokens": round(committed / rounds / batch, 3)}
+                root = self.round_totals["root"].get(batch)
+                if root and kind != "root":
+                    row["vs_root"] = round((committed / seconds) / (root[2] / root[1]), 3)
+                rows[str(batch)] = row
+            report[kind] = rows
+        return report
+
+
+def pay_bar(batch: int) -> float:
+    """What a drafting round must be worth, in plain steps, at this batch size (`PAY_MARGIN`)."""
+    return 1.0 + (PAY_MARGIN if batch > 1 else 0.0)
 
 
 def _nearest(values: dict[int, float], batch: int, default: float) -> float:
@@ -367,6 +426,13 @@ def _nearest(values: dict[int, float], batch: int, default: float) -> float:
 def _ema(values: dict, key, value: float, weight: float) -> None:
     old = values.get(key)
     values[key] = value if old is None else (1 - weight) * old + weight * value
+
+
+def _total(totals: dict[int, list[float]], batch: int, seconds: float, committed: float) -> None:
+    row = totals.setdefault(batch, [0, 0.0, 0.0])
+    row[0] += 1
+    row[1] += seconds
+    row[2] += committed
 
 
 def _probe_due(since: dict[int, int], batch: int, interval: int) -> bool:
