@@ -13,8 +13,8 @@ calibrated; a prompt-lookup chain node's score is a fixed guess), capped by its 
 the n nodes form a tree (`tree.prune_tree`). Costs come from a table of measured rounds
 (`CostTable`): verify seconds by verify tokens, plain steps (n = 1) and draft seconds by batch
 size, read through a non-decreasing fit, linear between and past the measured sizes; until two
-tree sizes are measured twice each, the ladder is measured smallest first. A table measured beforehand
-(`benchmarks/verify_cost.py`) can seed it; every round updates it (EMA). Under load bs * n
+tree sizes are measured twice each, the ladder is measured smallest first. A table measured
+beforehand (`benchmarks/verify_cost.py`) can seed it; every round updates it (EMA). Under load bs * n
 grows and small trees win. When rounds with a head draft pass have been committing fewer
 tokens per second than this round would without one (measured, EMA per batch size, each
 against a plain step; a plain step counts 1; rounds verifying lookup chains alone where this
