@@ -224,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     regen = sub.add_parser("regenerate", help="write training data: prompts answered by the target itself")
     regen.add_argument("--target", default="default", help="default or a HF model directory")
     regen.add_argument("--prompts", default="sharegpt",
-                       help="sharegpt, sharegpt-validation, sharegpt-heldout, humaneval, or a JSON/JSONL file")
+                       help="sharegpt, sharegpt-validation, sharegpt-heldout, humaneval, python-stdlib "
+                            "(code completions: documented stdlib functions), or a JSON/JSONL file")
     regen.add_argument("--limit", type=_positive("limit"), default=None, help="answer at most this many prompts")
     regen.add_argument("--skip", type=int, default=0, help="pass over the first N prompts of the set")
     regen.add_argument("--max-new-tokens", type=_positive("max new tokens"), default=256, help="answer length cap")

@@ -58,3 +58,33 @@ def test_bad_prompt_files_are_refused(tmp_path, content):
     path.write_text(content)
     with pytest.raises(JetFlowError):
         file_prompts(path)
+
+
+def test_python_stdlib_prompts_stop_where_the_body_begins(tmp_path):
+    from jetflow_sglang.training.code_prompts import python_stdlib_prompts
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "test").mkdir()
+    (tmp_path / "pkg" / "shapes.py").write_text(
+        'import math\nfrom os import path\n\n\n'
+        'def area(radius):\n    """Return the area of a circle of the given radius, in square units."""\n'
+        '    return math.pi * radius ** 2\n\n\n'
+        'def short(x):\n    """Too short."""\n    return x\n\n\n'
+        'class Box:\n    def volume(self, side):\n'
+        '        """Return the volume of a cube whose edges are all this long."""\n'
+        '        value = side ** 3\n        return value\n'
+    )
+    (tmp_path / "test" / "test_shapes.py").write_text(
+        'def test_area():\n    """A test module: never a prompt, however long its docstring is."""\n    assert True\n'
+    )
+    (tmp_path / "broken.py").write_text("def (:\n")
+    prompts = python_stdlib_prompts(tmp_path)
+    by_id = {p.id: p for p in prompts}
+    assert set(by_id) == {"pkg.shapes.area:5", "pkg.shapes.Box.volume:16"}
+    assert all(p.kind == "code" for p in prompts)
+    area = by_id["pkg.shapes.area:5"].text
+    assert area.startswith("import math\nfrom os import path\n\n\ndef area(radius):\n")
+    assert area.endswith('square units."""\n') and "return" not in area
+    volume = by_id["pkg.shapes.Box.volume:16"].text
+    assert "class Box:\n    def volume(self, side):\n" in volume and "value" not in volume.split('"""')[-1]
+    assert python_stdlib_prompts(tmp_path) == prompts  # a fixed order

@@ -138,6 +138,10 @@ def load_prompts(spec: str) -> list[Prompt]:
         return sharegpt_prompts("validation")
     if spec == "humaneval":
         return humaneval_prompts()
+    if spec == "python-stdlib":
+        from jetflow_sglang.training.code_prompts import python_stdlib_prompts
+
+        return python_stdlib_prompts()
     return file_prompts(spec)
 
 
