@@ -70,7 +70,7 @@ def test_python_stdlib_prompts_stop_where_the_body_begins(tmp_path):
         'def area(radius):\n    """Return the area of a circle of the given radius, in square units."""\n'
         '    return math.pi * radius ** 2\n\n\n'
         'def short(x):\n    """Too short."""\n    return x\n\n\n'
-        'class Box:\n    def volume(self, side):\n'
+        'class Box(\n    object,\n):\n    def volume(self, side):\n'
         '        """Return the volume of a cube whose edges are all this long."""\n'
         '        value = side ** 3\n        return value\n'
     )
@@ -80,11 +80,11 @@ def test_python_stdlib_prompts_stop_where_the_body_begins(tmp_path):
     (tmp_path / "broken.py").write_text("def (:\n")
     prompts = python_stdlib_prompts(tmp_path)
     by_id = {p.id: p for p in prompts}
-    assert set(by_id) == {"pkg.shapes.area:5", "pkg.shapes.Box.volume:16"}
+    assert set(by_id) == {"pkg.shapes.area:5", "pkg.shapes.Box.volume:18"}
     assert all(p.kind == "code" for p in prompts)
     area = by_id["pkg.shapes.area:5"].text
     assert area.startswith("import math\nfrom os import path\n\n\ndef area(radius):\n")
     assert area.endswith('square units."""\n') and "return" not in area
-    volume = by_id["pkg.shapes.Box.volume:16"].text
-    assert "class Box:\n    def volume(self, side):\n" in volume and "value" not in volume.split('"""')[-1]
+    volume = by_id["pkg.shapes.Box.volume:18"].text
+    assert "class Box(\n    object,\n):\n    def volume(self, side):\n" in volume and "value" not in volume.split('"""')[-1]
     assert python_stdlib_prompts(tmp_path) == prompts  # a fixed order

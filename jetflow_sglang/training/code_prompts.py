@@ -50,8 +50,9 @@ def _function_prompts(path: Path, root: Path) -> list[Prompt]:
             continue
         start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
         text = "\n".join(lines[start - 1 : node.body[0].end_lineno]) + "\n"
-        if owner is not None:  # a method: its class line, then the method
-            text = lines[owner.lineno - 1] + "\n" + text
+        if owner is not None:  # a method: its class header (all its lines), then the method
+            header_end = max(owner.body[0].lineno - 1, owner.lineno)
+            text = "\n".join(lines[owner.lineno - 1 : header_end]) + "\n" + text
         if header:
             text = header + "\n\n\n" + text
         name = f"{owner.name}.{node.name}" if owner is not None else node.name
