@@ -240,6 +240,7 @@ class BudgetPolicy:
         self.chosen: dict[int, int] = {}  # tree size -> rounds (for reports and tests)
         self.draft_value: dict[int, float] = {}  # batch size -> EMA of (head-drafted round's rate / plain step's)
         self.chain_value: dict[int, float] = {}  # the same for rounds verifying lookup chains without the head
+        self.chains_off: dict[int, bool] = {}  # batch size -> whether the last round there skipped the chains
         self.undrafted: dict[int, int] = {}  # batch size -> rounds verified without a draft since
         # batch size -> EMA of a head round's seconds beyond those of the plain steps that would
         # commit as many tokens (0 when it pays): how rarely to probe
@@ -293,12 +294,19 @@ class BudgetPolicy:
         have lately committed fewer tokens per second than `pay_bar` plain steps at this batch
         size. The round then verifies the root alone and values the chains it skipped from
         what the target commits (`observe_skipped_chains`) instead of probing them: a probe at
-        a large batch loses time, and sets requests apart that would otherwise finish together."""
-        bar = pay_bar(batch)
-        if not self.adaptive or _nearest(self.chain_value, batch, bar) >= bar:
+        a large batch loses time, and sets requests apart that would otherwise finish together.
+        Where other requests share the batch, chains once skipped come back only above the bar
+        by another `PAY_MARGIN`: a value that hovers near the bar would otherwise switch them on
+        for a lucky stretch, and each such stretch sets the batch's requests apart."""
+        if not self.adaptive:
             return False
-        self.skipped_chains += 1
-        return True
+        bar = pay_bar(batch)
+        if batch > 1 and _nearest(self.chains_off, batch, False):
+            bar += PAY_MARGIN  # once off, back only on clearly better evidence: no flapping on EMA luck
+        skip = _nearest(self.chain_value, batch, bar) < bar
+        self.chains_off[batch] = skip
+        self.skipped_chains += skip
+        return skip
 
     def _probe_interval(self, batch: int) -> int:
         """Rounds between head probes: `PROBE_EVERY`, or more where a probe round loses more than

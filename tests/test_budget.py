@@ -308,7 +308,7 @@ def test_a_round_must_pay_more_than_a_plain_step_by_the_margin():
     policy.observe(tree, two, verify_seconds=seconds - 1e-4, draft_seconds=1e-4)
     assert 1 < policy.chain_value[4] < 1 + margin and 1 < policy.draft_value[4] < 1 + margin
     assert policy.skip_chains(4) and policy.skip_draft(4)
-    worth = 1.0 + 2 * margin
+    worth = 1.0 + 3 * margin  # chains once skipped come back above the bar by another margin
     for _ in range(40):
         policy.observe(tree, two, verify_seconds=2 * plain / worth, draft_seconds=None)
         policy.observe(tree, two, verify_seconds=2 * plain / worth - 2e-4, draft_seconds=1e-4)
@@ -327,3 +327,27 @@ def test_plain_steps_are_priced_by_batch_size_apart_from_trees():
     assert policy.cost.plain_seconds(16) == pytest.approx(0.08, rel=0.01)
     assert policy.cost.round_seconds(1, 16) == tree_price and policy.cost.plain_seconds(1) < 0.08
     assert CostTable.from_json(policy.cost.to_json()).plain_seconds(16) == pytest.approx(0.08, rel=0.01)
+
+
+def test_chains_once_skipped_at_a_shared_batch_come_back_only_clearly_above_the_bar():
+    """At batch 16 a chain value hovering just above the bar (an EMA on a lucky stretch) must not
+    switch chains back on: each such stretch sets the batch's requests apart. Chains come back
+    above the bar by another margin; a lone request needs no margin at all."""
+    from jetflow_sglang.budget import PAY_MARGIN, pay_bar
+
+    policy = _policy_with_costs(16, seconds_per_token=1e-3, fixed=0.02)
+    bar = pay_bar(16)
+    policy.chain_value[16] = bar + PAY_MARGIN / 2
+    assert not policy.skip_chains(16)  # never skipped here yet: the plain bar
+    policy.chain_value[16] = bar - 0.01
+    assert policy.skip_chains(16)
+    policy.chain_value[16] = bar + PAY_MARGIN / 2
+    assert policy.skip_chains(16) and policy.skip_chains(15)  # batch 15 starts from batch 16's state
+    policy.chain_value[16] = bar + 1.5 * PAY_MARGIN
+    assert not policy.skip_chains(16) and not policy.skip_chains(16)
+    policy.chain_value[16] = bar + PAY_MARGIN / 2
+    assert not policy.skip_chains(16)  # on again: the plain bar
+    policy.chain_value[1] = 0.9
+    assert policy.skip_chains(1)
+    policy.chain_value[1] = 1.01
+    assert not policy.skip_chains(1)  # batch 1: no margin, no hysteresis
