@@ -1,6 +1,6 @@
 """Load and faults on a JETFLOW server: many concurrent clients, mixed requests, aborts.
 
-    python benchmarks/load_test.py [--clients 64] [--rounds 3] [--budget 16] [--out out/load.json]
+    python benchmarks/load_test.py [--clients 64] [--rounds 3] [--budget 16] [--adaptive] [--dtype bfloat16] [--out out/load.json]
 
 Each client sends `rounds` requests over held-out ShareGPT prompts of mixed lengths: greedy and
 sampled, some with penalties or a regex grammar, some streamed; some streams are dropped after
@@ -34,6 +34,7 @@ from pathlib import Path
 
 from jetflow_sglang import server as sglang_server
 from jetflow_sglang.assets import head_dir_for, resolve_target
+from jetflow_sglang.budget import COST_TABLE_ENV
 
 STRICT_MEM_CHECK = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
 LEAK_MARKERS = ("memory leak detected", "use-after-free")
@@ -100,8 +101,11 @@ def _stream(url: str, body: dict, drop_after: int | None) -> dict:
 
 def _abort_later(url: str, rid: str, delay_s: float) -> None:
     time.sleep(delay_s)
-    try:
-        sglang_server.post(url + "/abort_request", {"rid": rid}, timeout=60)
+    req = urllib.request.Request(url + "/abort_request", data=json.dumps({"rid": rid}).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    try:  # SGLang answers an abort with an empty body
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            resp.read()
     except urllib.error.URLError:
         pass
 
@@ -213,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=64, help="concurrent clients")
     parser.add_argument("--rounds", type=int, default=3, help="requests per client")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="upper bound of each request's token limit")
-    parser.add_argument("--budget", type=int, default=16, help="JETFLOW tree budget")
+    parser.add_argument("--budget", type=int, default=16, help="JETFLOW tree budget (with --adaptive: the cap)")
+    parser.add_argument("--adaptive", action="store_true", help="adaptive tree budget (--speculative-adaptive) under the --budget cap")
+    parser.add_argument("--cost-table", default=None, help="JETFLOW_COST_TABLE of the adaptive server (benchmarks/verify_cost.py)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the server's dtype")
     parser.add_argument("--head", default="default", help="head name or directory")
     parser.add_argument("--max-total-tokens", type=int, default=32768, help="SGLang KV pool size in tokens")
     parser.add_argument("--out", default="", help="write the report as JSON here")
@@ -224,8 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     head = str(head_dir_for(args.head, resolve_target("default")))
     prompts = held_out_prompts(target, 48)
     work = Path(tempfile.mkdtemp(prefix="jetflow-load-"))
-    server = sglang_server.start(target, work / "server.log", *sglang_server.jetflow_args(head, args.budget),
-                                 env=STRICT_MEM_CHECK, max_total_tokens=args.max_total_tokens)  # fmt: skip
+    flags = [*sglang_server.jetflow_args(head, args.budget), *(["--speculative-adaptive"] if args.adaptive else [])]
+    env = {**STRICT_MEM_CHECK, **({COST_TABLE_ENV: args.cost_table} if args.cost_table else {})}
+    server = sglang_server.start(target, work / "server.log", *flags, env=env, dtype=args.dtype,
+                                 max_total_tokens=args.max_total_tokens)  # fmt: skip
     try:
         probes = prompts[:3]
         before = probe(server, probes)
@@ -239,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             ("leak warnings", len(report.leak_lines)),
             ("probe token usage fresh / after load", f"{report.idle_token_usage} / {report.token_usage_after}"),
             ("greedy same after load", report.greedy_same_after_load), ("healthy after", report.healthy_after)]  # fmt: skip
-    print(f"| {args.clients} clients x {args.rounds} rounds, budget {args.budget} | |\n|---|---|")
+    policy = f"adaptive, cap {args.budget}" if args.adaptive else f"budget {args.budget}"
+    print(f"| {args.clients} clients x {args.rounds} rounds, {policy}, {args.dtype} | |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")
     print("PASS" if report.passed else "FAIL")
