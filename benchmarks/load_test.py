@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.clients < 1 or args.rounds < 1:
         parser.error("--clients and --rounds must be at least 1")
+    if args.cost_table and not Path(args.cost_table).is_file():
+        parser.error(f"--cost-table {args.cost_table}: no such file")
     target = str(resolve_target("default"))
     head = str(head_dir_for(args.head, resolve_target("default")))
     prompts = held_out_prompts(target, 48)
