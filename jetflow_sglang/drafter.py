@@ -12,12 +12,13 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from jetflow_sglang.head import JetFlowHead
+from jetflow_sglang.head import Hints, JetFlowHead
 from jetflow_sglang.tree import DraftTree
 
 
 class Drafter(Protocol):
     block_size: int
+    hint_ngram: int  # > 0: propose reads lookup hints of suffixes up to this length (a hinted head)
 
     def reset(self, features: Tensor) -> None:
         """Start a request: target features [1, T, F] of the T prompt tokens (positions 0..T-1)."""
@@ -25,8 +26,9 @@ class Drafter(Protocol):
     def extend(self, features: Tensor) -> None:
         """Append target features [1, n, F] of n newly committed tokens (positions follow on)."""
 
-    def propose(self, anchor: Tensor, position: int) -> Tensor:
-        """Draft logits [1, block_size - 1, V] for positions position+1.. after the anchor [1] at `position`."""
+    def propose(self, anchor: Tensor, position: int, hints: Hints | None = None) -> Tensor:
+        """Draft logits [1, block_size - 1, V] for positions position+1.. after the anchor [1] at
+        `position`; hints: lookup tokens and kinds [1, block_size - 1] (`lookup.lookup_hint`)."""
 
 
 class HeadDrafter:
@@ -35,6 +37,7 @@ class HeadDrafter:
     def __init__(self, head: JetFlowHead, capacity: int = 8192) -> None:
         self.head = head
         self.block_size = head.config.block_size
+        self.hint_ngram = head.config.lookup_hint_ngram if head.config.lookup_hint else 0
         self.capacity = capacity
         self.length = 0
         self._keys: list[Tensor] = []
@@ -68,10 +71,10 @@ class HeadDrafter:
         self.length += n
 
     @torch.inference_mode()
-    def propose(self, anchor: Tensor, position: int) -> Tensor:
+    def propose(self, anchor: Tensor, position: int, hints: Hints | None = None) -> Tensor:
         context = [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self._keys, self._values)]
         positions = torch.tensor([position], device=anchor.device)
-        return self.head.draft(anchor, positions, context, anchor_context=self._last_projected)
+        return self.head.draft(anchor, positions, context, anchor_context=self._last_projected, hints=hints)
 
     @torch.inference_mode()
     def refresh(self, tree: DraftTree, position: int) -> Tensor:

@@ -19,7 +19,7 @@ import torch
 from jetflow_sglang.accept import Acceptance, accept_tree, target_picks
 from jetflow_sglang.drafter import Drafter
 from jetflow_sglang.errors import JetFlowError
-from jetflow_sglang.lookup import CHAIN_SCORES, lookup_draft
+from jetflow_sglang.lookup import CHAIN_SCORES, lookup_draft, lookup_hint
 from jetflow_sglang.target import Target, compact_cache
 from jetflow_sglang.tree import DraftTree, build_tree, chain_tree, check_budget, max_tree_nodes, merge_chain, refreshed_tree
 
@@ -163,11 +163,16 @@ class ReferenceEngine:
         context = list(prompt_ids) + result.tokens  # prompt + committed tokens, anchor last
         while not done:
             anchor = torch.tensor([result.tokens[-1]])
-            chain = lookup_draft(context, depth=self.drafter.block_size - 1) if self.lookup else []
+            depths = self.drafter.block_size - 1
+            chain = lookup_draft(context, depth=depths) if self.lookup else []
             if not self.head:
                 tree = chain_tree(anchor, [chain], self.budget - 1, self.lookup_scores)
             else:
-                draft_logprobs = self.drafter.propose(anchor, position).float().log_softmax(-1)
+                hints = None
+                if self.drafter.hint_ngram:  # a hinted head reads the lookup's candidate
+                    hint_tokens, kinds = lookup_hint(context, depths, self.drafter.hint_ngram)
+                    hints = (torch.tensor([hint_tokens]), torch.tensor([kinds]))
+                draft_logprobs = self.drafter.propose(anchor, position, hints).float().log_softmax(-1)
                 tree = build_tree(anchor, draft_logprobs, self.budget, self.width)
                 if self.refresh:  # second head pass over the tree: branch-specific children (method §3)
                     node_logprobs = self.drafter.refresh(tree, position).float().log_softmax(-1)

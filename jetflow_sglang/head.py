@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from jetflow_sglang import published
 from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.head_config import ARCHITECTURE, JetFlowConfig, default_tap_layers
+from jetflow_sglang.lookup import hint_kind_count
 
 __all__ = ["ARCHITECTURE", "WEIGHTS_FILE", "JetFlowConfig", "JetFlowHead", "default_tap_layers"]
 
@@ -60,6 +61,7 @@ def rotate(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+Hints = tuple[Tensor, Tensor]  # lookup hint tokens and kinds (`lookup.lookup_hint`), [b, slots] each
 LayerAttention = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q, block_k, block_v) -> [b, heads, Q, d]
 Attention = Callable[[int, Tensor, Tensor, Tensor], Tensor]  # the same, given the layer index first
 
@@ -145,6 +147,11 @@ class JetFlowHead(nn.Module):
         # have to learn to find.
         self.anchor_fuse = nn.Linear(2 * hidden, hidden, bias=False) if config.anchor_fusion else None
         self.depth_embedding = nn.Parameter(torch.zeros(config.block_size, hidden)) if config.anchor_fusion else None
+        # Hinted heads (`config.lookup_hint`): a MASK slot adds hint_proj(E[hint token]) plus its
+        # kind's embedding (`lookup.hint_kind`); both start at zero, so a hinted head initialized
+        # from a plain one drafts exactly as it did.
+        self.hint_proj = nn.Linear(hidden, hidden, bias=False) if config.lookup_hint else None
+        self.hint_kind_embedding = nn.Parameter(torch.zeros(hint_kind_count(config.lookup_hint_ngram), hidden)) if config.lookup_hint else None
         self.layers = nn.ModuleList(HeadLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.mask_embedding = None if config.mask_from_target else nn.Parameter(torch.zeros(hidden))
@@ -167,6 +174,15 @@ class JetFlowHead(nn.Module):
                 else:
                     std = 0.02 / math.sqrt(2 * self.config.num_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
                     param.copy_(torch.randn(param.shape, generator=generator) * std)
+        self.zero_hints()
+        return self
+
+    @torch.no_grad()
+    def zero_hints(self) -> "JetFlowHead":
+        """Zero the hint path (a hinted head then drafts as the same head without hints)."""
+        if self.hint_proj is not None:
+            self.hint_proj.weight.zero_()
+            self.hint_kind_embedding.zero_()
         return self
 
     def bind_target(self, embedding: Tensor, lm_head: Tensor) -> "JetFlowHead":
@@ -190,12 +206,15 @@ class JetFlowHead(nn.Module):
         return self
 
     # -- the pieces every engine uses -------------------------------------------------
-    def embed_block(self, block_tokens: Tensor, positions: Tensor, anchor_context: Tensor | None = None) -> Tensor:
+    def embed_block(self, block_tokens: Tensor, positions: Tensor, anchor_context: Tensor | None = None, hints: Hints | None = None) -> Tensor:
         """Embeddings of block tokens [b, Q] at positions [b, Q] (slot 0: the anchor);
         `mask_token_id` maps to the head's MASK embedding. With anchor fusion, slot 0 is
         fuse([its embedding; anchor_context]), anchor_context [b, H] being the projected
         features of the position before the anchor (`project_features`), and each MASK slot
-        adds that vector and the embedding of its depth (position - anchor position)."""
+        adds that vector and the embedding of its depth (position - anchor position).
+        hints (hinted heads): lookup tokens and kinds [b, Q] aligned with the block slots;
+        a MASK slot of kind > 0 adds hint_proj(E[token]) + the kind's embedding. Branch-free
+        (no host sync), so the draft pass stays graph-capturable."""
         dtype = self.fc.weight.dtype
         if self.mask_embedding is None:  # MASK is a target row (no anchor fusion: see JetFlowConfig)
             return F.embedding(block_tokens, self._target_embedding).to(dtype)
@@ -209,6 +228,11 @@ class JetFlowHead(nn.Module):
         anchor = self.anchor_fuse(torch.cat([embedded[:, 0], anchor_context.to(dtype)], -1))  # [b, H]
         depths = (positions - positions[:, :1]).clamp(0, self.config.block_size - 1)
         masks = embedded + anchor[:, None] + F.embedding(depths, self.depth_embedding.to(dtype))
+        if hints is not None and self.hint_proj is not None:
+            hint_tokens, kinds = hints
+            hinted = (kinds > 0)[..., None].to(dtype)
+            hint = self.hint_proj(F.embedding(hint_tokens.clamp(min=0), self._target_embedding).to(dtype))
+            masks = masks + (hint + F.embedding(kinds.clamp(min=0), self.hint_kind_embedding.to(dtype))) * hinted
         embedded = torch.where(is_mask[..., None], masks, embedded)
         return torch.cat([anchor[:, None], embedded[:, 1:]], 1)
 
@@ -243,13 +267,15 @@ class JetFlowHead(nn.Module):
         context: list[tuple[Tensor, Tensor]],
         attn_mask: Tensor,
         anchor_context: Tensor | None = None,
+        hints: Hints | None = None,
     ) -> Tensor:
         """Final-normed hidden states of the block tokens [b, Q, H]."""
-        return self.run_block(block_tokens, positions, dense_attention(context, attn_mask), anchor_context)
+        return self.run_block(block_tokens, positions, dense_attention(context, attn_mask), anchor_context, hints)
 
-    def run_block(self, block_tokens: Tensor, positions: Tensor, attention: Attention, anchor_context: Tensor | None = None) -> Tensor:
+    def run_block(self, block_tokens: Tensor, positions: Tensor, attention: Attention, anchor_context: Tensor | None = None,
+                  hints: Hints | None = None) -> Tensor:  # fmt: skip
         """`forward_block` with the attention over context and block supplied (e.g. paged, in SGLang)."""
-        hidden = self.embed_block(block_tokens, positions, anchor_context)
+        hidden = self.embed_block(block_tokens, positions, anchor_context, hints)
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, positions, self.inv_freq, functools.partial(attention, index))
         return self.norm(hidden)
@@ -270,12 +296,13 @@ class JetFlowHead(nn.Module):
         return full.index_copy_(-1, self.draft_vocab, logits)
 
     def draft(self, anchors: Tensor, anchor_positions: Tensor, context: list[tuple[Tensor, Tensor]], context_valid: Tensor | None = None,
-              anchor_context: Tensor | None = None) -> Tensor:  # fmt: skip
+              anchor_context: Tensor | None = None, hints: Hints | None = None) -> Tensor:  # fmt: skip
         """Draft logits for depths 1..B-1 [b, B-1, V] from one pass over [anchor, MASK...].
 
         anchors, anchor_positions: [b]; context: per-layer K/V [b, kv_heads, C, d];
         context_valid: [b, C] bool for ragged contexts (None: all valid); anchor_context: [b, H]
-        projected features of the position before the anchor (heads with anchor fusion)."""
+        projected features of the position before the anchor (heads with anchor fusion); hints:
+        lookup tokens and kinds per depth [b, B-1] (hinted heads; None: no hints)."""
         block = self.config.block_size
         b, device = anchors.shape[0], anchors.device
         block_tokens, positions = self.draft_block(anchors, anchor_positions)
@@ -288,8 +315,15 @@ class JetFlowHead(nn.Module):
             return torch.cat([context_valid[:, None, :].expand(-1, block, -1), within], -1)
 
         mask = self.layer_masks(visible, positions, context_len)
-        hidden = self.forward_block(block_tokens, positions, context, mask, anchor_context)
+        hidden = self.forward_block(block_tokens, positions, context, mask, anchor_context, self.block_hints(hints))
         return self.logits(hidden[:, 1:])
+
+    @staticmethod
+    def block_hints(hints: Hints | None) -> Hints | None:
+        """Per-depth hints [b, B-1] as per-slot hints [b, B] (the anchor slot: kind 0)."""
+        if hints is None:
+            return None
+        return tuple(F.pad(h, (1, 0)) for h in hints)  # type: ignore[return-value]
 
     def layer_masks(self, visible: Callable[[bool], Tensor], query_positions: Tensor, context_len: int) -> Tensor | list[Tensor]:
         """The attention mask of a pass over context positions 0..C-1 then its queries [b, Q] at
@@ -313,12 +347,13 @@ class JetFlowHead(nn.Module):
         block_tokens[:, 0] = anchors
         return block_tokens, anchor_positions[:, None] + torch.arange(block, device=anchors.device)
 
-    def draft_with(self, anchors: Tensor, anchor_positions: Tensor, attention: Attention, anchor_context: Tensor | None = None) -> Tensor:
+    def draft_with(self, anchors: Tensor, anchor_positions: Tensor, attention: Attention, anchor_context: Tensor | None = None,
+                   hints: Hints | None = None) -> Tensor:  # fmt: skip
         """`draft` with the attention over each request's context and the block supplied: draft
         logits [b, B-1, V]. The attention must apply each layer's causality within the block and its
         window (`config.layer_causal`, `config.layer_window`; context position j at slot j)."""
         block_tokens, positions = self.draft_block(anchors, anchor_positions)
-        return self.logits(self.run_block(block_tokens, positions, attention, anchor_context)[:, 1:])
+        return self.logits(self.run_block(block_tokens, positions, attention, anchor_context, self.block_hints(hints))[:, 1:])
 
     def refresh(
         self,

@@ -45,6 +45,11 @@ class JetFlowConfig:
     # sees the last `sliding_window` positions, itself included); the others follow `causal`.
     sliding_layers: list[int] = field(default_factory=list)
     sliding_window: int = 0
+    # Hinted drafting: each MASK slot also reads the prompt-lookup candidate for its position
+    # (`lookup.lookup_hint` over the committed ids, matching suffixes of up to `lookup_hint_ngram`
+    # tokens) and its kind, so the head learns when to copy the context and when to correct it.
+    lookup_hint: bool = False
+    lookup_hint_ngram: int = 3
 
     def __post_init__(self) -> None:
         if self.mask_token_id < 0:
@@ -56,6 +61,10 @@ class JetFlowConfig:
         if self.mask_from_target and self.anchor_fusion:
             # Anchor fusion tells MASK slots from tokens by id; a target row can also be a real token.
             raise JetFlowError("anchor fusion needs the head's own MASK: drop --mask-token-id or use --no-anchor-fusion")
+        if self.lookup_hint and (not self.anchor_fusion or self.mask_from_target):
+            raise JetFlowError("a hinted head (lookup_hint) needs anchor fusion and the head's own MASK embedding")
+        if self.lookup_hint and self.lookup_hint_ngram < 1:
+            raise JetFlowError(f"lookup_hint_ngram must be at least 1, got {self.lookup_hint_ngram}")
         if self.block_size < 2:
             raise JetFlowError(f"block size must be at least 2, got {self.block_size}")
         if self.num_layers < 1:

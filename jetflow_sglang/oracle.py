@@ -41,6 +41,7 @@ class OracleDrafter:
         self.continuation = continuation
         self.vocab_size = vocab_size
         self.block_size = block_size
+        self.hint_ngram = 0  # knows the continuation: reads no lookup hints
         self.width = min(width, len(RANK_LOGITS))
         self.accept_prob = accept_prob
         self.top_rank_share = 1.0 if accept_prob is not None else top_rank_share
@@ -66,7 +67,7 @@ class OracleDrafter:
     def _randint(self, high: int) -> int:
         return int(torch.randint(high, (1,), generator=self.generator))
 
-    def propose(self, anchor: Tensor, position: int) -> Tensor:
+    def propose(self, anchor: Tensor, position: int, hints=None) -> Tensor:
         assert position == self.length, "oracle context out of step with the engine"
         depths = self.block_size - 1
         logits = torch.randn(depths, self.vocab_size, generator=self.generator)

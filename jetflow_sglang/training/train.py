@@ -31,6 +31,7 @@ from torch import Tensor
 
 from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.head import JetFlowConfig, JetFlowHead
+from jetflow_sglang.lookup import lookup_hints_batched
 from jetflow_sglang.training import distributed
 
 from jetflow_sglang.training.objective import (LOSSES, depth_weights, draft_id_map, draw_slots, loss_and_backward,
@@ -66,10 +67,15 @@ class TrainConfig:
     mask_token_id: int = -1  # >= 0: MASK is this target embedding row (published layout), not a parameter
     init_from_target: bool = False  # start the head's layers as copies of the target's last layers
     init_head: str = ""  # start from this head's weights (a new schedule and optimizer: continue a finished run)
+    lookup_hint: bool = False  # MASK slots read the prompt-lookup candidate for their position (a hinted head)
+    hint_dropout: float = 0.15  # hinted heads: share of blocks trained without hints (kind 0), as after a retraction
     checkpoint_every: int = 200
     val_blocks: int = 1024  # held-out blocks scored at each checkpoint
     seed: int = 0
     resume: bool = False
+
+
+HINT_KEYS = ("lookup_hint", "lookup_hint_ngram")
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
@@ -148,11 +154,13 @@ def sequence_attention(context: list[tuple[Tensor, Tensor]], rows: Tensor, ancho
 
 
 def head_forward_sequences(head: JetFlowHead, features: Tensor, input_ids: Tensor, rows: Tensor, anchors: Tensor,
-                           lengths: Tensor, reveal: Tensor, width: int = 0) -> tuple[Tensor, Tensor]:  # fmt: skip
+                           lengths: Tensor, reveal: Tensor, width: int = 0, hint_keep: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """All blocks of a batch in one pass. features: [b, T, F]; input_ids: [b, T]; rows,
     anchors, reveal: [nb] (sorted by row); width: block slots run (0: the block size; under
     the causal mask the first slots of a block do not depend on later ones, so a shorter
-    width gives them exactly). Returns the final hidden states of slots 1..width-1
+    width gives them exactly). A hinted head's MASK slots read the lookup hints of their
+    anchor (`lookup_hints_batched`: from input_ids[row, :a+1] only, as the engines compute
+    them), except in blocks whose hint_keep [nb] is False (hint dropout). Returns the final hidden states of slots 1..width-1
     [nb, width-1, H] and the sequence position each slot predicts (-1 past the end)."""
     if head.config.sliding_layers:
         raise JetFlowError("training heads with sliding-window layers is not supported (published heads only serve)")
@@ -171,7 +179,15 @@ def head_forward_sequences(head: JetFlowHead, features: Tensor, input_ids: Tenso
     anchor_context = None
     if head.anchor_fuse is not None:  # index_select: its backward accumulates in a fixed order (a resume repeats exactly)
         anchor_context = projected.flatten(0, 1).index_select(0, rows * seq_len + anchors - 1)
-    hidden = head.run_block(block_tokens, positions, sequence_attention(context, rows, anchors, head.config.causal), anchor_context)
+    hints = None
+    if head.config.lookup_hint:
+        hint_tokens, kinds = lookup_hints_batched(input_ids, rows, anchors, block - 1, head.config.lookup_hint_ngram)
+        keep = offsets[None, 1:] > reveal[:, None]  # a revealed slot holds its true token, no hint
+        if hint_keep is not None:
+            keep = keep & hint_keep[:, None]
+        hints = head.block_hints((hint_tokens, kinds * keep))
+    attention = sequence_attention(context, rows, anchors, head.config.causal)
+    hidden = head.run_block(block_tokens, positions, attention, anchor_context, hints)
     label_positions = torch.where(in_range, positions, torch.full_like(positions, -1))[:, 1:]
     return hidden[:, 1:], label_positions
 
@@ -227,6 +243,8 @@ def _check_config(config: TrainConfig) -> None:
         raise JetFlowError(f"--anchor-fraction must be in (0, 1], got {config.anchor_fraction}")
     if config.depth_decay < 0:
         raise JetFlowError(f"--depth-decay must be 0 (uniform) or positive, got {config.depth_decay}")
+    if not 0 <= config.hint_dropout <= 1:
+        raise JetFlowError(f"--hint-dropout must be in [0, 1], got {config.hint_dropout}")
     if config.draft_vocab < 0:
         raise JetFlowError(f"--draft-vocab must be 0 (all) or a positive size, got {config.draft_vocab}")
 
@@ -258,11 +276,14 @@ def load_store(target, target_dir: Path, data: str, max_seq_len: int, log=print)
 
 @torch.no_grad()
 def load_init_head(head_spec: str, target_dir: Path, head_config: JetFlowConfig) -> JetFlowHead:
-    """The head a run starts from (`default` or a directory); its architecture must be this run's."""
+    """The head a run starts from (`default` or a directory); its architecture must be this run's,
+    except that a hinted run may start from a plain head (its hint path then starts at zero)."""
     from jetflow_sglang.assets import load_head
 
     start = load_head(head_spec, target_dir)
     mine, theirs = head_config.to_json_dict(), start.config.to_json_dict()
+    if head_config.lookup_hint and not start.config.lookup_hint:
+        theirs = {**theirs, "jetflow": {**theirs["jetflow"], **{k: mine["jetflow"][k] for k in HINT_KEYS}}}
     differing = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
     if differing:
         raise JetFlowError(f"--init-head {head_spec} does not match this run's head: {', '.join(differing)} differ")
@@ -308,6 +329,7 @@ def train(config: TrainConfig, log=print) -> dict:
         target.config, num_layers=config.layers, block_size=config.block_size, causal=config.mask == "causal",
         draft_vocab_size=draft_vocab_size, tap_norm=config.tap_norm, anchor_fusion=config.anchor_fusion,
         qk_norm=config.qk_norm, mask_from_target=config.mask_token_id >= 0, mask_token_id=config.mask_token_id,
+        lookup_hint=config.lookup_hint,
     )  # fmt: skip
     if not config.resume and (out / "config.json").exists():
         raise JetFlowError(f"{out} already holds a head; pass --resume or choose another --out")
@@ -334,7 +356,10 @@ def train(config: TrainConfig, log=print) -> dict:
     if config.init_from_target and not config.resume:
         init_from_target(head, target.model)
     if start_head is not None:
-        head.load_state_dict(start_head.state_dict())  # its weights and its draft vocabulary
+        missing, unexpected = head.load_state_dict(start_head.state_dict(), strict=False)  # its weights and draft vocabulary
+        if unexpected or any(not k.startswith("hint_") for k in missing):
+            raise JetFlowError(f"--init-head {config.init_head}: weights do not fit ({missing + unexpected})")
+        head.zero_hints()
         del start_head
         if head.draft_vocab is not None:  # the inherited vocabulary's coverage of this data
             coverage = vocab_coverage(store, head.draft_vocab, vocab)
@@ -371,11 +396,12 @@ def train(config: TrainConfig, log=print) -> dict:
                 width = 1 + int((weights > torch.rand((), generator=generator)).sum())
             revealed = torch.randint(0, width - 1, (len(rows),), generator=generator)
             reveal = torch.where(torch.rand(len(rows), generator=generator) < config.reveal, revealed, 0)
+            hint_keep = torch.rand(len(rows), generator=generator) >= config.hint_dropout if config.lookup_hint else None
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(config, step)
             batch = [t.to(device) for t in (features, input_ids, rows, anchors, lengths, reveal)]
             with autocast:
-                hidden, label_positions = drafter(*batch, width)
+                hidden, label_positions = drafter(*batch, width, None if hint_keep is None else hint_keep.to(device))
                 topk_ids, topk_logprobs, labels = slot_targets(store, seq_index[rows], label_positions.cpu(), to_draft, reveal)
                 loss_weights = weights[: width - 1]
                 if sampled:
@@ -427,7 +453,8 @@ def train(config: TrainConfig, log=print) -> dict:
 def _val_line(row: dict) -> str:
     depths = row["top1"]
     return (f"top-1 d1 {depths[0]:.3f} d2 {depths[1]:.3f} d4 {depths[3]:.3f} d8 {depths[7]:.3f}, "
-            f"chain tau {row['chain_tau']:.3f} (lookup {row['lookup_chain_tau']:.3f})")  # fmt: skip
+            f"chain tau {row['chain_tau']:.3f} (lookup {row['lookup_chain_tau']:.3f})"
+            + (f", hints blanked {row['blanked_chain_tau']:.3f}, copy d1 {row['hint_use']['copy'][0]:.2f}" if "hint_use" in row else ""))  # fmt: skip
 
 
 def _checkpoint(head: JetFlowHead, optimizer, out: Path, config: TrainConfig, step: int, history: list, evals: list) -> None:
@@ -491,7 +518,8 @@ def _resume(head: JetFlowHead, optimizer, out: Path, config: TrainConfig) -> tup
     meta = json.loads(meta_path.read_text())
     saved = meta["config"]
     defaults = TrainConfig()  # checkpoints from before a field existed were trained with its default
-    for key in ("loss", "mask", "block_size", "layers", "target", "draft_vocab", "tap_norm", "anchor_fusion", "qk_norm", "mask_token_id"):
+    for key in ("loss", "mask", "block_size", "layers", "target", "draft_vocab", "tap_norm", "anchor_fusion", "qk_norm", "mask_token_id",
+                "lookup_hint", "hint_dropout"):  # fmt: skip
         if saved.get(key, getattr(defaults, key)) != getattr(config, key):
             raise JetFlowError(f"resume checkpoint in {out} was trained with {key}={saved.get(key)!r}, not {getattr(config, key)!r}")
     state = load_file(str(state_path))

@@ -35,7 +35,12 @@ class ValidationSet:
     sequences: list[tuple[Tensor, Tensor]]  # (input_ids [T], features [T, F]) per sequence
     anchors: list[Tensor]  # per sequence: the anchor positions scored
     labels: Tensor  # [nb, D] the token at a+d (-1 past the end)
-    lookup_hits: Tensor  # [nb, D] bool
+    lookup_tokens: Tensor  # [nb, D] the prompt-lookup chain (a hinted head's hints), -2 where there is none
+
+    @property
+    def lookup_hits(self) -> Tensor:
+        """[nb, D] bool: the lookup chain's token at depth d is the token at a+d."""
+        return (self.lookup_tokens == self.labels) & (self.labels >= 0)
 
     @classmethod
     def from_store(cls, store, block_size: int, max_blocks: int = 0, seed: int = 0) -> "ValidationSet":
@@ -51,7 +56,7 @@ class ValidationSet:
         for index, anchor in candidates:
             chosen.setdefault(index, []).append(anchor)
         depth = block_size - 1
-        sequences, anchors, labels, lookup_hits = [], [], [], []
+        sequences, anchors, labels, lookup_tokens = [], [], [], []
         for index, positions in chosen.items():
             rows = store.sequence(index)
             ids = store.input_ids[rows]
@@ -64,13 +69,14 @@ class ValidationSet:
                 draft = lookup_draft(id_list[: a + 1], depth)
                 draft += [-2] * (depth - len(draft))
                 labels.append(truth)
-                lookup_hits.append([d == t and t >= 0 for d, t in zip(draft, truth)])
+                lookup_tokens.append(draft)
         return cls(sequences, anchors, torch.tensor(labels, dtype=torch.long).view(-1, depth),
-                   torch.tensor(lookup_hits, dtype=torch.bool).view(-1, depth))  # fmt: skip
+                   torch.tensor(lookup_tokens, dtype=torch.long).view(-1, depth))  # fmt: skip
 
     @torch.no_grad()
-    def draft_tokens(self, head: JetFlowHead) -> Tensor:
-        """The head's argmax token per anchor and depth [nb, D] (target ids)."""
+    def draft_tokens(self, head: JetFlowHead, hints: bool = True) -> Tensor:
+        """The head's argmax token per anchor and depth [nb, D] (target ids); a hinted head reads
+        the lookup hints of each anchor (hints=False: none, every slot plain MASK)."""
         from jetflow_sglang.training.train import head_forward_sequences
 
         device, dtype = head.fc.weight.device, head.fc.weight.dtype
@@ -88,8 +94,9 @@ class ValidationSet:
             rows = torch.cat([torch.full((len(a),), row) for row, a in enumerate(group_anchors)])
             anchors = torch.cat(group_anchors)
             args = [t.to(device) for t in (features.to(dtype), input_ids, rows, anchors, lengths, torch.zeros_like(anchors))]
+            keep = None if hints else torch.zeros(len(anchors), dtype=torch.bool, device=device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype != torch.float32):
-                hidden, _ = head_forward_sequences(head, *args)
+                hidden, _ = head_forward_sequences(head, *args, 0, keep)
                 picks = head.draft_vocab_logits(hidden).argmax(-1)
             if head.draft_vocab is not None:
                 picks = head.draft_vocab[picks]
@@ -97,11 +104,17 @@ class ValidationSet:
         return torch.cat(out)
 
     def score(self, head: JetFlowHead) -> dict:
-        """Per-depth top-1 and chain τ of the head and of prompt lookup on the same anchors."""
+        """Per-depth top-1 and chain τ of the head and of prompt lookup on the same anchors; for a
+        hinted head also its scores with the hints blanked and how it used them (`hint_use`)."""
         was_training = head.training
         head.eval()
         try:
-            scores = self.score_tokens(self.draft_tokens(head))
+            drafted = self.draft_tokens(head)
+            scores = self.score_tokens(drafted)
+            if head.config.lookup_hint:
+                blanked = self.score_tokens(self.draft_tokens(head, hints=False))
+                scores["blanked_top1"], scores["blanked_chain_tau"] = blanked["top1"], blanked["chain_tau"]
+                scores["hint_use"] = self.hint_use(drafted)
         finally:
             head.train(was_training)
         labels = self.labels[self.labels >= 0]
@@ -109,16 +122,39 @@ class ValidationSet:
         scores["draft_vocab_coverage"] = round(float(inside.float().mean()) if len(labels) else 1.0, 4)
         return scores
 
+    def hint_use(self, drafted: Tensor) -> dict:
+        """Per depth, over slots with a label and a hint: the share with a hint, the copy rate
+        P(top-1 = hint), P(right | hint right), the correction rate P(right | hint wrong) and the
+        harm P(wrong | hint right)."""
+        labelled = self.labels >= 0
+        hinted = labelled & (self.lookup_tokens >= 0)
+        hint_right = hinted & (self.lookup_tokens == self.labels)
+        hint_wrong = hinted & ~hint_right
+        right = drafted == self.labels
+
+        def share(hit: Tensor, among: Tensor) -> list[float]:
+            return [round(x, 4) for x in ((hit & among).sum(0) / among.sum(0).clamp(min=1)).tolist()]
+
+        return {
+            "hinted": share(hinted, labelled),
+            "copy": share(drafted == self.lookup_tokens, hinted),
+            "right_if_hint_right": share(right, hint_right),
+            "right_if_hint_wrong": share(right, hint_wrong),
+            "harm": share(~right, hint_right),
+        }
+
     def score_tokens(self, drafted: Tensor) -> dict:
         """`score` for drafted tokens [nb, D] (target ids, one per anchor and depth)."""
         hits = (drafted == self.labels) & (self.labels >= 0)
         has_label = (self.labels >= 0).sum(0).clamp(min=1)
+        either = hits | self.lookup_hits  # the ceiling of a per-depth choice between the two
         return {
             "blocks": len(self.labels),
             "top1": [round(x, 4) for x in (hits.sum(0) / has_label).tolist()],
             "chain_tau": round(chain_tau(hits), 4),
             "lookup_top1": [round(x, 4) for x in (self.lookup_hits.sum(0) / has_label).tolist()],
             "lookup_chain_tau": round(chain_tau(self.lookup_hits), 4),
+            "either_top1": [round(x, 4) for x in (either.sum(0) / has_label).tolist()],
         }
 
 
