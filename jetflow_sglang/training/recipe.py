@@ -281,10 +281,15 @@ def ship_head(name: str, work: Path, report: dict, heads_dir: Path | None = None
     size_mb = (source / WEIGHTS_FILE).stat().st_size / 2**20
     if size_mb > MAX_SHIPPED_MB:
         raise JetFlowError(f"{source / WEIGHTS_FILE} is {size_mb:.1f} MB, over the {MAX_SHIPPED_MB} MB shipping limit")
+    from jetflow_sglang.assets import resolve_target
+    from jetflow_sglang.training import gate
+
+    candidate = gate.record(resolve_target("default"), source)  # fp32 τ on the gate's held-out slice
+    gate.check_not_worse(candidate, gate.read(dest) if dest.exists() else None)
     staging = dest.with_name(dest.name + ".staging")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    for file in ("config.json", WEIGHTS_FILE, "loss.png", "per_depth.png"):
+    for file in ("config.json", WEIGHTS_FILE, "loss.png", "per_depth.png", gate.GATE_FILE):
         if (source / file).is_file():
             shutil.copy2(source / file, staging / file)
     (staging / "README.md").write_text(model_card(name, report))
