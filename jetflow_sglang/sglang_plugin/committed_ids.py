@@ -4,10 +4,10 @@ Under overlap scheduling the scheduler appends a round's tokens to ``req.output_
 after the next round has been launched, so the worker cannot read the newest tokens from the
 request. It keeps them here: seeded at each extend chunk (prompt, plus the output so far when a
 retracted request comes back), extended with every round's anchor and accepted drafts, and
-dropped when a decode batch no longer holds the request. The prompt-lookup branch matches the
-suffix of these ids; the tree penalties count the output part of them. The worker skips the
-per-round update (a host sync) when neither reads them; a record left behind is then out of
-step and reads as unknown.
+dropped when a decode batch no longer holds the request. The prompt-lookup branch and a hinted
+head's lookup hints match the suffix of these ids (with the anchor: :meth:`CommittedIds.contexts`);
+the tree penalties count the output part of them. The worker skips the per-round update (a host
+sync) when none reads them; a record left behind is then out of step and reads as unknown.
 """
 
 from __future__ import annotations
@@ -37,6 +37,15 @@ class CommittedIds:
         retracted request not yet re-extended)."""
         ids = self.ids.get(req.rid)
         return ids if ids is not None and len(ids) == seq_len else None
+
+    def contexts(self, reqs: Sequence, seq_lens: Tensor, anchors: Tensor) -> list[Optional[list[int]]]:
+        """Each request's ids with KV plus its anchor, the context prompt lookup matches (as the
+        reference engine's committed tokens, anchor last); None where the ids are not known."""
+        out: list[Optional[list[int]]] = []
+        for req, seq_len, anchor in zip(reqs, seq_lens.tolist(), anchors.tolist()):
+            ids = self.get(req, seq_len)
+            out.append(ids + [anchor] if ids is not None else None)
+        return out
 
     def on_accept(self, reqs: Sequence, seq_lens: Tensor, anchors: Tensor, committed: Tensor, num_accepted: Tensor) -> None:
         """The anchor and the accepted drafts now have KV (the bonus token is the next anchor)."""

@@ -4,7 +4,9 @@ The draft pass (``HeadProposer.draft``: embeddings, a few decoder layers whose a
 ``jetflow_kernels.paged_block_attention``, the lm_head) reads request lengths and KV slots on
 the device and launches a fixed grid, so it is captured as it is. At replay the batch's
 anchors, lengths and request rows are copied into static buffers padded to the next bucket
-(padding rows: length 0, row 0, whose outputs are dropped).
+(padding rows: length 0, row 0, whose outputs are dropped). A hinted head's draft pass also reads
+lookup hint tokens and kinds [b, depth] (``hint_depth`` > 0): two more static buffers, kind 0 (no
+hint) in padding rows and for a batch given no hints; the pass is branch-free in their values.
 
 Modes: ``eager`` calls the draft pass directly (CPU, or graphs disabled); ``padded`` runs the
 replay bookkeeping without capture (so the padding and slicing are tested on CPU); ``graph``
@@ -22,12 +24,17 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-DraftFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (anchors, seq_lens, req_pool_indices) -> logits [b, D, V]
+# (anchors, seq_lens, req_pool_indices[, hint_tokens, hint_kinds]) -> logits [b, D, V]
+DraftFn = Callable[..., Tensor]
 MODES = ("eager", "padded", "graph")
 
 
 class DraftGraphRunner:
-    def __init__(self, draft: DraftFn, batch_sizes: Sequence[int], device: torch.device | str, mode: str) -> None:
+    def __init__(
+        self, draft: DraftFn, batch_sizes: Sequence[int], device: torch.device | str, mode: str, hint_depth: int = 0
+    ) -> None:
+        """hint_depth: depths a hinted head reads hints for (its block size - 1); 0: no hints, and
+        `draft` takes the first three inputs only."""
         if mode not in MODES:
             raise ValueError(f"draft graph mode must be one of {MODES}, got {mode!r}")
         if mode == "graph" and torch.device(device).type != "cuda":
@@ -40,13 +47,19 @@ class DraftGraphRunner:
         self.anchors = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.hint_depth = hint_depth
+        self.hint_tokens = torch.zeros(max_bs, hint_depth, dtype=torch.int64, device=device) if hint_depth else None
+        self.hint_kinds = torch.zeros(max_bs, hint_depth, dtype=torch.int64, device=device) if hint_depth else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}
         if mode == "graph":
             self._capture()
 
-    def _inputs(self, bs: int) -> tuple[Tensor, Tensor, Tensor]:
-        return self.anchors[:bs], self.seq_lens[:bs], self.req_pool_indices[:bs]
+    def _inputs(self, bs: int) -> tuple[Tensor, ...]:
+        inputs = (self.anchors[:bs], self.seq_lens[:bs], self.req_pool_indices[:bs])
+        if self.hint_tokens is None or self.hint_kinds is None:
+            return inputs
+        return (*inputs, self.hint_tokens[:bs], self.hint_kinds[:bs])
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -70,12 +83,27 @@ class DraftGraphRunner:
         return self.batch_sizes[index] if index < len(self.batch_sizes) else None
 
     @torch.inference_mode()
-    def run(self, anchors: Tensor, seq_lens: Tensor, req_pool_indices: Tensor) -> Tensor:
+    def run(
+        self,
+        anchors: Tensor,
+        seq_lens: Tensor,
+        req_pool_indices: Tensor,
+        hint_tokens: Tensor | None = None,
+        hint_kinds: Tensor | None = None,
+    ) -> Tensor:
+        """Draft logits [b, D, V]; hint_tokens, hint_kinds [b, hint_depth] (None: no hints; a runner
+        without hint buffers ignores them)."""
         batch = anchors.shape[0]
+        values: tuple[Tensor | None, ...] = (anchors, seq_lens, req_pool_indices)
+        if self.hint_depth:
+            values = (*values, hint_tokens, hint_kinds)
         bs = self.bucket(batch)
         if bs is None:
-            return self.draft(anchors, seq_lens, req_pool_indices)
-        for static, value in zip(self._inputs(bs), (anchors, seq_lens, req_pool_indices)):
+            return self.draft(*values)
+        for static, value in zip(self._inputs(bs), values):
+            if value is None:  # no hints: kind 0 everywhere
+                static.zero_()
+                continue
             static[:batch].copy_(value)
             static[batch:].zero_()
         if self.mode == "graph":

@@ -10,7 +10,7 @@ drafted by the head alone that round. On by default; ``JETFLOW_LOOKUP=0`` turns 
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -39,16 +39,17 @@ def lookup_enabled() -> bool:
 
 
 class LookupBranch:
-    def __init__(self, depths: int, chain_scores: Sequence[float] = CHAIN_SCORES) -> None:
-        self.depths, self.chain_scores = depths, chain_scores
+    def __init__(self, depths: int, chain_scores: Sequence[float] = CHAIN_SCORES, max_ngram: int = 3) -> None:
+        """max_ngram: the longest suffix a chain matches (`lookup.lookup_draft`)."""
+        self.depths, self.chain_scores, self.max_ngram = depths, chain_scores, max_ngram
 
     def chains(self, reqs: Sequence, seq_lens: Tensor, anchors: Tensor, committed: CommittedIds) -> list[list[int]]:
         """Each request's prompt-lookup continuation after its anchor ([] when none or unknown)."""
-        out = []
-        for req, seq_len, anchor in zip(reqs, seq_lens.tolist(), anchors.tolist()):
-            ids = committed.get(req, seq_len)
-            out.append(lookup_draft(ids + [anchor], self.depths) if ids is not None else [])
-        return out
+        return self.chains_of(committed.contexts(reqs, seq_lens, anchors))
+
+    def chains_of(self, contexts: Sequence[Optional[Sequence[int]]]) -> list[list[int]]:
+        """The continuation after each context (`CommittedIds.contexts`; [] when none or None)."""
+        return [lookup_draft(c, self.depths, self.max_ngram) if c is not None else [] for c in contexts]
 
     def merge(self, tree: DraftTree, chains: Sequence[Sequence[int]]) -> DraftTree:
         """Each request's tree with its lookup chain merged in (same budget)."""

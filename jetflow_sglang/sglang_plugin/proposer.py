@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -37,6 +37,10 @@ class DraftRequest:
     prompts: Sequence[Sequence[int]]  # origin input ids per request
     rids: Sequence[str]
     round_index: int = 0  # the worker's decode round (rounds without a draft pass count too)
+    # A hinted head's lookup hints per depth 1..B-1 (`hints.BatchHints`): [b, B-1] int64 on the
+    # device, kind 0 where a request has none; None: no hints this round.
+    hint_tokens: Optional[Tensor] = None
+    hint_kinds: Optional[Tensor] = None
 
 
 class Proposer(Protocol):
@@ -66,7 +70,8 @@ class HeadProposer:
         self.projected: Tensor | None = None
         if head.anchor_fuse is not None:
             self.projected = torch.zeros(num_slots, config.hidden_size, dtype=dtype, device=device)
-        self.runner = DraftGraphRunner(self.draft, (), device, "eager")
+        self.hint_depth = self.block_size - 1 if config.lookup_hint else 0  # a hinted head reads hints per depth
+        self.runner = DraftGraphRunner(self.draft, (), device, "eager", self.hint_depth)
 
     @torch.inference_mode()
     def write_context(self, features: Tensor, slots: Tensor, positions: Tensor) -> None:
@@ -81,9 +86,17 @@ class HeadProposer:
             self.keys[layer, slots] = k[0].transpose(0, 1).to(self.keys.dtype)
             self.values[layer, slots] = v[0].transpose(0, 1).to(self.values.dtype)
 
-    def draft(self, anchors: Tensor, seq_lens: Tensor, req_pool_indices: Tensor) -> Tensor:
+    def draft(
+        self,
+        anchors: Tensor,
+        seq_lens: Tensor,
+        req_pool_indices: Tensor,
+        hint_tokens: Optional[Tensor] = None,
+        hint_kinds: Optional[Tensor] = None,
+    ) -> Tensor:
         """Draft logits [b, B-1, V]; the head attends to its context K/V where the target's KV is
-        (`req_to_token[row, :seq_len]`), through the paged kernel (no host sync: graph-capturable)."""
+        (`req_to_token[row, :seq_len]`), through the paged kernel (no host sync: graph-capturable).
+        hint_tokens, hint_kinds [b, B-1]: a hinted head's lookup hints (None, or a plain head: none)."""
         config = self.head.config
 
         def attend(layer: int, q: Tensor, block_k: Tensor, block_v: Tensor) -> Tensor:
@@ -96,15 +109,19 @@ class HeadProposer:
         if self.projected is not None:
             last_slots = self.req_to_token[req_pool_indices, seq_lens - 1].long()
             anchor_context = self.projected[last_slots]
-        return self.head.draft_with(anchors, seq_lens, attend, anchor_context)
+        hints = None
+        if self.hint_depth and hint_tokens is not None and hint_kinds is not None:
+            hints = (hint_tokens, hint_kinds)
+        return self.head.draft_with(anchors, seq_lens, attend, anchor_context, hints)
 
     def use_graphs(self, batch_sizes: Sequence[int], mode: str) -> None:
         """Run the draft pass through `DraftGraphRunner` (mode "graph": CUDA graphs per batch size)."""
-        self.runner = DraftGraphRunner(self.draft, batch_sizes, self.keys.device, mode)
+        self.runner = DraftGraphRunner(self.draft, batch_sizes, self.keys.device, mode, self.hint_depth)
 
     @torch.inference_mode()
     def propose(self, request: DraftRequest) -> Tensor:
-        return self.runner.run(request.anchors.long(), request.seq_lens.long(), request.req_pool_indices.long())
+        return self.runner.run(request.anchors.long(), request.seq_lens.long(), request.req_pool_indices.long(),
+                               request.hint_tokens, request.hint_kinds)  # fmt: skip
 
 
 class OracleProposer:
