@@ -1,4 +1,4 @@
-"""Static tree budgets against the adaptive one (`--speculative-adaptive`) and the target alone,
+"""Static tree budgets (`JETFLOW_BUDGET=static`) against the adaptive one (the default) and the target alone,
 in the SGLang server, at several concurrencies, greedy.
 
     .venv/bin/python benchmarks/bench_budget.py --prompts humaneval --limit 8 --budgets 16,64 \
@@ -28,7 +28,7 @@ from pathlib import Path
 from jetflow_sglang import server as sglang_server
 from jetflow_sglang.assets import head_dir_for, resolve_target
 from jetflow_sglang.cli import int_list
-from jetflow_sglang.budget import COST_TABLE_ENV
+from jetflow_sglang.budget import BUDGET_ENV, COST_TABLE_ENV
 from jetflow_sglang.served import BenchConfig, last_profile, _request, bench_prompts
 from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV
 from jetflow_sglang.target import serving_dtype
@@ -72,11 +72,12 @@ def main() -> None:
     cap = max(args.budgets)
     variants = {"target": ([], {})}
     for budget in args.budgets:
-        variants[f"static {budget}"] = (sglang_server.jetflow_args(head_dir, budget), {"JETFLOW_PROFILE": "1"})
-    variants[f"adaptive (cap {cap})"] = ([*sglang_server.jetflow_args(head_dir, cap), "--speculative-adaptive"],
+        variants[f"static {budget}"] = (sglang_server.jetflow_args(head_dir, budget), {BUDGET_ENV: "static", "JETFLOW_PROFILE": "1"})
+    variants[f"adaptive (cap {cap})"] = (sglang_server.jetflow_args(head_dir, cap),
                                          {"JETFLOW_PROFILE": "1", **({COST_TABLE_ENV: args.cost_table} if args.cost_table else {})})  # fmt: skip
     if args.lookup_only:
-        variants["lookup only"] = (sglang_server.jetflow_args(head_dir, cap), {LOOKUP_ENV: "only", "JETFLOW_PROFILE": "1"})
+        variants["lookup only"] = (sglang_server.jetflow_args(head_dir, cap),
+                                   {LOOKUP_ENV: "only", BUDGET_ENV: "static", "JETFLOW_PROFILE": "1"})  # fmt: skip
     servers, logs = {}, {}
     table = {}
     try:

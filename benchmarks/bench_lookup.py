@@ -20,6 +20,7 @@ from pathlib import Path
 
 from jetflow_sglang import server as sglang_server
 from jetflow_sglang.assets import head_dir_for, resolve_target
+from jetflow_sglang.budget import BUDGET_ENV
 from jetflow_sglang.served import BenchConfig, _request, bench_prompts
 from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV
 
@@ -47,8 +48,10 @@ def main() -> None:
     servers = {}
     try:
         servers["ar"] = sglang_server.start(str(target), work / "ar.log", dtype=config.dtype)
-        servers["head"] = sglang_server.start(str(target), work / "head.log", *spec, dtype=config.dtype, env={LOOKUP_ENV: "0"})
-        servers["head+lookup"] = sglang_server.start(str(target), work / "lookup.log", *spec, dtype=config.dtype, env={LOOKUP_ENV: "1"})
+        static = {BUDGET_ENV: "static"}  # the drafters compared at one tree size
+        servers["head"] = sglang_server.start(str(target), work / "head.log", *spec, dtype=config.dtype, env={LOOKUP_ENV: "0", **static})
+        servers["head+lookup"] = sglang_server.start(str(target), work / "lookup.log", *spec, dtype=config.dtype,
+                                                     env={LOOKUP_ENV: "1", **static})  # fmt: skip
         from openai import OpenAI
 
         clients = {name: OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=3600) for name, s in servers.items()}

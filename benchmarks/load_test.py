@@ -1,6 +1,6 @@
 """Load and faults on a JETFLOW server: many concurrent clients, mixed requests, aborts.
 
-    python benchmarks/load_test.py [--clients 64] [--rounds 3] [--budget 16] [--adaptive] [--dtype bfloat16] [--out out/load.json]
+    python benchmarks/load_test.py [--clients 64] [--rounds 3] [--budget 16] [--no-adaptive] [--dtype bfloat16] [--out out/load.json]
 
 Each client sends `rounds` requests over held-out ShareGPT prompts of mixed lengths: greedy and
 sampled, some with penalties or a regex grammar, some streamed; some streams are dropped after
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from jetflow_sglang import server as sglang_server
 from jetflow_sglang.assets import head_dir_for, resolve_target
-from jetflow_sglang.budget import COST_TABLE_ENV
+from jetflow_sglang.budget import BUDGET_ENV, COST_TABLE_ENV
 
 STRICT_MEM_CHECK = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
 LEAK_MARKERS = ("memory leak detected", "use-after-free")
@@ -217,8 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=64, help="concurrent clients")
     parser.add_argument("--rounds", type=int, default=3, help="requests per client")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="upper bound of each request's token limit")
-    parser.add_argument("--budget", type=int, default=16, help="JETFLOW tree budget (with --adaptive: the cap)")
-    parser.add_argument("--adaptive", action="store_true", help="adaptive tree budget (--speculative-adaptive) under the --budget cap")
+    parser.add_argument("--budget", type=int, default=16, help="JETFLOW tree budget (adaptive: the cap)")
+    parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                        help="adaptive tree budget under the --budget cap, the server's default (default: on); "
+                             "--no-adaptive: static (JETFLOW_BUDGET=static)")
     parser.add_argument("--cost-table", default=None, help="JETFLOW_COST_TABLE of the adaptive server (benchmarks/verify_cost.py)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the server's dtype")
     parser.add_argument("--head", default="default", help="head name or directory")
@@ -233,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     head = str(head_dir_for(args.head, resolve_target("default")))
     prompts = held_out_prompts(target, 48)
     work = Path(tempfile.mkdtemp(prefix="jetflow-load-"))
-    flags = [*sglang_server.jetflow_args(head, args.budget), *(["--speculative-adaptive"] if args.adaptive else [])]
-    env = {**STRICT_MEM_CHECK, **({COST_TABLE_ENV: args.cost_table} if args.cost_table else {})}
+    flags = sglang_server.jetflow_args(head, args.budget)
+    env = {**STRICT_MEM_CHECK, BUDGET_ENV: "adaptive" if args.adaptive else "static",
+           **({COST_TABLE_ENV: args.cost_table} if args.cost_table else {})}  # fmt: skip
     server = sglang_server.start(target, work / "server.log", *flags, env=env, dtype=args.dtype,
                                  max_total_tokens=args.max_total_tokens)  # fmt: skip
     try:

@@ -27,6 +27,7 @@ from jetflow_sglang import server as sglang_server
 from jetflow_sglang.assets import resolve_target
 from jetflow_sglang.head import JetFlowHead
 from jetflow_sglang.published import is_published_config
+from jetflow_sglang.budget import BUDGET_ENV
 from jetflow_sglang.served import BenchConfig, _request, bench_prompts
 
 
@@ -45,7 +46,7 @@ def run_variant(target: str, args: list[str], log: Path, prompts, config: BenchC
     from openai import OpenAI
 
     try:
-        server = sglang_server.start(target, log, *args, dtype=dtype, env={"JETFLOW_LOOKUP": "0"})
+        server = sglang_server.start(target, log, *args, dtype=dtype, env={"JETFLOW_LOOKUP": "0", BUDGET_ENV: "static"})
     except RuntimeError as exc:
         lines = [line for line in str(exc).splitlines() if "not supported" in line or "Error" in line]
         return {"refused": (lines[-1] if lines else str(exc).splitlines()[0]).strip()}

@@ -4,7 +4,7 @@ concurrency: the floor under the adaptive budget (a round with no draft is still
     .venv/bin/python benchmarks/root_round_cost.py --concurrency 1,4,16 --dtype bfloat16 \
         --out benchmarks/results/root_round_cost_bf16.json
 
-Two servers up at once on 127.0.0.1: the target alone, and JETFLOW at budget 1 with
+Two servers up at once on 127.0.0.1: the target alone, and JETFLOW at static budget 1 with
 `JETFLOW_LOOKUP=only` (no head pass, every tree the root alone: a TARGET_VERIFY forward of one
 token per request, its features written to the head's context, the acceptance walk). At each
 concurrency c, 2c held-out ShareGPT requests of --output-len tokens (EOS ignored) go to each
@@ -25,6 +25,7 @@ from pathlib import Path
 from jetflow_sglang import server as sglang_server
 from jetflow_sglang.assets import head_dir_for, resolve_target
 from jetflow_sglang.cli import int_list
+from jetflow_sglang.budget import BUDGET_ENV
 from jetflow_sglang.served import BenchConfig, _request, bench_prompts, last_profile
 from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV
 from jetflow_sglang.target import serving_dtype
@@ -51,7 +52,7 @@ def main() -> None:
         servers["target"] = sglang_server.start(str(target), work / "target.log", dtype=args.dtype)
         servers["root only"] = sglang_server.start(
             str(target), work / "jetflow.log", *sglang_server.jetflow_args(head_dir, 1), dtype=args.dtype,
-            env={LOOKUP_ENV: "only", "JETFLOW_PROFILE": "1"},
+            env={LOOKUP_ENV: "only", BUDGET_ENV: "static", "JETFLOW_PROFILE": "1"},
         )  # fmt: skip
         from openai import OpenAI
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from jetflow_sglang import server as sglang_server
 from jetflow_sglang.assets import head_dir_for, resolve_target
-from jetflow_sglang.budget import COST_TABLE_ENV
+from jetflow_sglang.budget import BUDGET_ENV, COST_TABLE_ENV
 from jetflow_sglang.cli import int_list
 from jetflow_sglang.served import bench_prompts, last_profile
 from jetflow_sglang.sglang_plugin.proposer import ORACLE_ACCEPT_ENV
@@ -272,9 +272,9 @@ def main() -> None:
     # rounds: every round here, so the average is current when a run ends.
     every_round = ["--decode-log-interval", "1"]
     static = [] if args.adaptive_only else args.budgets
-    variants = {f"static {b}": ([*sglang_server.jetflow_args(head_dir, b), *every_round], {}) for b in static}
+    variants = {f"static {b}": ([*sglang_server.jetflow_args(head_dir, b), *every_round], {BUDGET_ENV: "static"}) for b in static}
     adaptive_env = {"JETFLOW_PROFILE": "1", **({COST_TABLE_ENV: args.cost_table} if args.cost_table else {})}
-    variants[f"adaptive (cap {cap})"] = ([*sglang_server.jetflow_args(head_dir, cap), *every_round, "--speculative-adaptive"], adaptive_env)
+    variants[f"adaptive (cap {cap})"] = ([*sglang_server.jetflow_args(head_dir, cap), *every_round], adaptive_env)  # the default
     start = dict(dtype=args.dtype, max_total_tokens=args.max_total_tokens)
 
     def run(url: str, tracker: AcceptTracker, c: int) -> dict:

@@ -3,15 +3,17 @@ size) and the draft pass, as the cost table the adaptive tree budget starts from
 
     .venv/bin/python benchmarks/verify_cost.py --cap 256 --concurrency 1,2,4,8,16 \
         --out benchmarks/results/verify_cost_cpu.json
-    JETFLOW_COST_TABLE=benchmarks/results/verify_cost_cpu.json jetflow serve --adaptive
+    JETFLOW_COST_TABLE=benchmarks/results/verify_cost_cpu.json jetflow serve --dtype float32
 
 One JETFLOW server (127.0.0.1, --max-total-tokens 16384) runs with JETFLOW_BUDGET=sweep: its
 rounds take every size on the ladder 1, 2, 4, ... up to --cap in turn, timing each verify (and,
 on a GPU, synchronizing first). Requests of --max-new-tokens (EOS ignored) go in at each
 concurrency, so batches of 1..16 requests verify 1..16 x cap tokens. The table is read from the
 server's profile log; the output JSON is what `JETFLOW_COST_TABLE` loads (`verify_ms` of trees by
-verify tokens, `plain_ms` of root-only rounds by batch size, `draft_ms`), with the machine and
-settings beside it. Prints the table.
+verify tokens, `plain_ms` of root-only rounds by batch size, `draft_ms`), with the settings and
+where it was measured beside it: `dtype`, `machine`, `cuda`, `device_name` (the GPU's or the CPU's
+model) and, on a CPU, `cpus`, as the server's worker reported them. A server refuses a table whose
+dtype or machine differs from its own. Prints the table.
 """
 
 from __future__ import annotations
@@ -76,8 +78,9 @@ def main() -> None:
         print(f"\n{unit:>14} {name + ' ms':>14} {'read as (monotone)':>19}")
         for size, seconds in sorted(curve.seconds_at.items()):
             print(f"{size:>14} {seconds * 1e3:>14.2f} {curve.seconds(size) * 1e3:>19.2f}")
-    report = {**table.to_json(), "machine": platform.machine(), "cuda": torch.cuda.is_available(),
-              "config": vars(args), "rounds": profile["rounds"]}  # fmt: skip
+    # Where the costs were measured, as the server's worker saw it (older servers: this process's view).
+    origin = profile["tree_sizes"].get("origin") or {"dtype": args.dtype, "machine": platform.machine(), "cuda": torch.cuda.is_available()}
+    report = {**table.to_json(), **origin, "config": vars(args), "rounds": profile["rounds"]}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         partial = Path(args.out + ".partial")

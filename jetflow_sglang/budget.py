@@ -14,7 +14,10 @@ the n nodes form a tree (`tree.prune_tree`). Costs come from a table of measured
 (`CostTable`): verify seconds by verify tokens, plain steps (n = 1) and draft seconds by batch
 size, read through a non-decreasing fit, linear between and past the measured sizes; until two
 tree sizes are measured twice each, the ladder is measured smallest first. A table measured
-beforehand (`benchmarks/verify_cost.py`) can seed it; every round updates it (EMA). Under load bs * n
+beforehand (`benchmarks/verify_cost.py`) can seed it; every round updates it (EMA); without one
+the policy measures its own costs from the first rounds (a server keeps them for its next
+start: `cost_cache`). A table recorded in another dtype or on another machine than the one
+serving is refused (`check_table_origin`). Under load bs * n
 grows and small trees win. When rounds with a head draft pass have been committing fewer
 tokens per second than this round would without one (measured, EMA per batch size, each
 against a plain step; a plain step counts 1; rounds verifying lookup chains alone where this
@@ -38,6 +41,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
@@ -49,6 +53,7 @@ from torch import Tensor
 from jetflow_sglang.tree import FILLER_SCORE, DraftTree, path_scores, prune_order
 
 POLICIES = ("static", "adaptive", "sweep")  # sweep: every ladder size in turn (benchmarks/verify_cost.py)
+DEFAULT_POLICY = "adaptive"  # the budget given is the cap; JETFLOW_BUDGET=static verifies it every round
 BUDGET_ENV = "JETFLOW_BUDGET"
 COST_TABLE_ENV = "JETFLOW_COST_TABLE"
 # Calibration bins over a node's path log-prob (upper edges; the last bin ends at 0).
@@ -121,7 +126,7 @@ class Curve:
     def observe(self, size: int, seconds: float) -> None:
         old = self.seconds_at.get(size)
         self.seconds_at[size] = seconds if old is None else (1 - EMA) * old + EMA * seconds
-        self.samples[size] = self.samples.get(size, 0) + 1
+        self.samples[size] = self.samples.get(size, 0 if old is None else MIN_SAMPLES) + 1  # a loaded size stays trusted
 
     def to_ms(self) -> dict[str, float]:
         return {str(k): round(v * 1e3, 4) for k, v in sorted(self.seconds_at.items())}
@@ -183,12 +188,75 @@ class CostTable:
             raise ValueError(f"cost table: sizes must be integers and times numbers: {exc}") from None
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "CostTable":
+    def load(cls, path: str | os.PathLike, dtype: object = None, host: dict | None = None) -> "CostTable":
+        """The table in `path`; refused where it records another dtype than `dtype` or another
+        machine than `host` (`check_table_origin`; None: not checked)."""
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"cannot read cost table {path}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"cost table {path} is not a JSON object")
+        check_table_origin(data, path, dtype, host)
         return cls.from_json(data)
+
+
+def dtype_name(dtype: object) -> str | None:
+    """float32 | bfloat16 | float16 for a torch dtype or an SGLang --dtype value; None for auto
+    (resolved later, from the model) or anything else."""
+    text = str(dtype).removeprefix("torch.").lower()
+    aliases = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
+    text = aliases.get(text, text)
+    return text if text in ("float32", "bfloat16", "float16") else None
+
+
+def host_fingerprint(device: torch.device | str = "cpu", name: bool = True) -> dict:
+    """What a cost table records of the machine that measured it: the architecture, whether it
+    ran on CUDA, and (name) the GPU's or the CPU's model and, on a CPU, its core count. Costs
+    measured on one machine price rounds wrongly on another."""
+    device = torch.device(device)
+    host = {"machine": platform.machine(), "cuda": device.type == "cuda"}
+    if name and device.type == "cuda":
+        host["device_name"] = torch.cuda.get_device_name(device)
+    elif name:
+        host["device_name"] = _cpu_model()
+        host["cpus"] = os.cpu_count()
+    return host
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def table_origin(data: dict) -> dict:
+    """What a cost table says of where it was measured: `dtype` (or, in older tables,
+    `config.dtype`) and the `host_fingerprint` keys it has."""
+    origin = {k: data[k] for k in ("machine", "cuda", "device_name", "cpus") if data.get(k) is not None}
+    config = data.get("config") if isinstance(data.get("config"), dict) else {}
+    dtype = dtype_name(data.get("dtype") or config.get("dtype"))
+    if dtype:
+        origin["dtype"] = dtype
+    return origin
+
+
+def check_table_origin(data: dict, path: object, dtype: object = None, host: dict | None = None) -> None:
+    """Refuse, in one line, a cost table recorded in another dtype than `dtype` or on another
+    machine than `host` (a `host_fingerprint`). Only what both sides state is compared: a table
+    without these keys, or a serving dtype not yet known (None, auto), passes."""
+    origin, serving = table_origin(data), dtype_name(dtype)
+    remedy = f"measure one here with benchmarks/verify_cost.py, or unset {COST_TABLE_ENV} (the adaptive budget measures its own costs)"
+    if serving and origin.get("dtype") not in (None, serving):
+        raise ValueError(f"cost table {path} was measured in {origin['dtype']}, but this server runs {serving}: {remedy}")
+    for key, what in (("cuda", "on CUDA"), ("machine", "architecture"), ("device_name", "device"), ("cpus", "CPU count")):
+        if host and key in origin and key in host and origin[key] != host[key]:
+            raise ValueError(f"cost table {path} was measured on another machine ({what}: {origin[key]!r} there, "
+                             f"{host[key]!r} here): {remedy}")  # fmt: skip
 
 
 class AcceptanceCalibration:
@@ -230,10 +298,12 @@ class AcceptanceCalibration:
 class BudgetPolicy:
     """Chooses each round's tree size (see the module doc); `static` always takes the cap."""
 
-    def __init__(self, cap: int, mode: str = "static", cost: CostTable | None = None, device: torch.device | str = "cpu") -> None:
+    def __init__(self, cap: int, mode: str = "static", cost: CostTable | None = None, device: torch.device | str = "cpu",
+                 origin: dict | None = None) -> None:  # fmt: skip
         if mode not in POLICIES:
             raise ValueError(f"budget policy must be one of {', '.join(POLICIES)}, got {mode!r}")
         self.cap, self.mode, self.device = cap, mode, torch.device(device)
+        self.origin = origin or {}  # dtype and host_fingerprint, reported with the costs measured here
         self.ladder = budget_ladder(cap)
         self.cost = cost or CostTable()
         self.calibration = AcceptanceCalibration(device)
@@ -399,7 +469,7 @@ class BudgetPolicy:
     def report(self) -> dict:
         return {"mode": self.mode, "cap": self.cap, "chosen": dict(sorted(self.chosen.items())),
                 "skipped_drafts": self.skipped_drafts, "skipped_chains": self.skipped_chains,
-                "cost": self.cost.to_json(), "rounds_by_batch": self.totals_report()}  # fmt: skip
+                "cost": self.cost.to_json(), "origin": self.origin, "rounds_by_batch": self.totals_report()}  # fmt: skip
 
     def totals_report(self) -> dict:
         """Per round kind and batch size: rounds, mean ms, committed tokens per request per round,
@@ -452,11 +522,22 @@ def _probe_due(since: dict[int, int], batch: int, interval: int) -> bool:
     return False
 
 
-def policy_from_env(cap: int, device: torch.device | str = "cpu") -> BudgetPolicy:
-    """`JETFLOW_BUDGET` = static (default) | adaptive; `JETFLOW_COST_TABLE`: a measured cost
-    table (JSON of `benchmarks/verify_cost.py`) to start from."""
-    mode = os.environ.get(BUDGET_ENV, "static")
+def policy_name() -> str:
+    """`JETFLOW_BUDGET`: adaptive (the default, unset or empty) | static | sweep."""
+    mode = os.environ.get(BUDGET_ENV) or DEFAULT_POLICY
+    if mode not in POLICIES:
+        raise ValueError(f"{BUDGET_ENV} must be one of {', '.join(POLICIES)}, got {mode!r}")
+    return mode
+
+
+def policy_from_env(cap: int, device: torch.device | str = "cpu", dtype: object = None) -> BudgetPolicy:
+    """The policy `JETFLOW_BUDGET` names (`policy_name`; adaptive by default); `JETFLOW_COST_TABLE`:
+    a measured cost table (JSON of `benchmarks/verify_cost.py`) to start from, refused where it
+    was measured in another dtype than `dtype` or on another machine than this one."""
+    mode = policy_name()
+    host = host_fingerprint(device)
     table = os.environ.get(COST_TABLE_ENV)
-    cost = CostTable.load(table) if table else None
-    return BudgetPolicy(cap, mode, cost, device)
+    cost = CostTable.load(table, dtype, host) if table else None
+    origin = {**({"dtype": dtype_name(dtype)} if dtype_name(dtype) else {}), **host}
+    return BudgetPolicy(cap, mode, cost, device, origin)
 

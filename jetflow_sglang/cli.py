@@ -151,6 +151,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from jetflow_sglang import server as sglang_server
     from jetflow_sglang.assets import head_dir_for, resolve_target
+    from jetflow_sglang.budget import BUDGET_ENV
     from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV
     from jetflow_sglang.target import check_model_dir, serving_dtype
     from jetflow_sglang.tree import MAX_BUDGET
@@ -165,14 +166,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
         if probe.connect_ex((sglang_server.HOST, args.port)) == 0:
             raise JetFlowError(f"port {args.port} on {sglang_server.HOST} is already in use")
     os.environ[LOOKUP_ENV] = "1" if args.lookup else "0"  # read by the JETFLOW worker in the server
-    if args.adaptive and not args.no_spec:
-        extra.append("--speculative-adaptive")
+    os.environ[BUDGET_ENV] = "adaptive" if args.adaptive else "static"  # ... and by the JETFLOW validator
     code = sglang_server.serve_forever(str(target), extra, args.port, serving_dtype(args.dtype), args.max_total_tokens)
     if code not in (0, -15):
         raise JetFlowError(f"sglang server exited with {code}")
 
 
-def cmd_bench(args: argparse.Namespace) -> None:
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Exit 1 when an answer differs from the target alone's with no cause found (in float32, the
+    exact check: when any answer differs), after the report: the speed is still shown, but a
+    demo that cannot explain its output must not pass as one that can (`make demo` fails)."""
     from jetflow_sglang.served import BenchConfig, format_table, run_bench
 
     config = _config_from_args(BenchConfig, args, dtype=args.dtype)
@@ -183,6 +186,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
         print("\n" + format_table(report), flush=True)
         if config.out:
             print(f"report: {config.out}", flush=True)
+    unexplained = report["summary"]["unexplained"]
+    if unexplained:
+        what = ("differ in float32, the exact check" if report["config"]["dtype"] == "float32"
+                else "differ from the target alone's with no cause found")  # fmt: skip
+        print(f"jetflow: error: {unexplained} of {report['summary']['prompts']} answers {what} (the lines marked !!!)",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 1
+    return 0
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -317,11 +328,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--target", default="default", help="default or a HF model directory")
     serve.add_argument("--head", default="default", help="default, random, or a head directory")
     serve.add_argument("--port", type=_positive("port"), default=30000, help="port on 127.0.0.1")
-    serve.add_argument("--budget", type=int, default=64, help="tree nodes per round (--speculative-num-draft-tokens)")
+    serve.add_argument("--budget", type=int, default=64,
+                       help="tree nodes per round at most, root included (1..512; --speculative-num-draft-tokens)")
     serve.add_argument("--no-spec", action="store_true", help="serve the target alone")
-    serve.add_argument("--adaptive", action="store_true",
+    serve.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                        help="choose each round's tree size by load and draft confidence, --budget being the cap "
-                            "(SGLang's --speculative-adaptive)")
+                            "(default: on); --no-adaptive verifies --budget nodes every round (JETFLOW_BUDGET=static)")
     serve.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
                        help="merge each request's prompt-lookup continuation into its draft tree (default: on)")
     serve.add_argument("--dtype", choices=SERVING_DTYPES, default="auto",
@@ -334,14 +346,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--head", default="default", help="default, random, or a head directory")
     bench.add_argument("--prompts", default="humaneval", help="demo, humaneval, sharegpt-heldout, or a JSON/JSONL file")
     bench.add_argument("--limit", type=_positive("limit"), default=8, help="first N prompts of the set")
-    bench.add_argument("--budget", type=int, default=64, help="tree nodes per round, root included (1..512)")
+    bench.add_argument("--budget", type=int, default=64, help="tree nodes per round at most, root included (1..512)")
+    bench.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                       help="the JETFLOW server chooses each round's tree size by load and draft confidence, --budget "
+                            "being the cap (default: on); --no-adaptive verifies --budget nodes every round")
     bench.add_argument("--max-new-tokens", type=_positive("max new tokens"), default=256, help="new tokens per prompt")
     bench.add_argument("--ignore-eos", action="store_true", help="always decode max-new-tokens tokens")
     bench.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
                        help="JETFLOW merges each request's prompt-lookup continuation into its tree (default: on)")
     bench.add_argument("--dtype", choices=SERVING_DTYPES, default="auto",
-                       help="dtype of both servers; auto (default): bf16 where its matmuls are native, else float32 "
-                            "(use float32 to compare token ids exactly)")
+                       help="dtype of both servers; auto (default): bf16 where its matmuls are native, else float32. "
+                            "Each answer that differs from the target alone's is re-checked and labelled by cause; "
+                            "one with no cause exits 1. float32 is the exact check: any difference exits 1")
     bench.add_argument("--show-text", action="store_true", help="print each answer")
     bench.add_argument("--out", default=None, help="write the JSON report here")
     bench.add_argument("--json", action="store_true", help="print the report as one JSON line")
@@ -364,13 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     elif unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        args.func(args)
+        code = args.func(args)
     except JetFlowError as exc:
         print(f"jetflow: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

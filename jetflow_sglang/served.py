@@ -1,7 +1,8 @@
 """`jetflow bench` and `make demo`: prompts through two real SGLang servers, via the OpenAI client.
 
 Two servers run side by side on 127.0.0.1: the target alone, and the target with
-``--speculative-algorithm JETFLOW``. Requests go one at a time and alternate between
+``--speculative-algorithm JETFLOW`` (its tree budget adaptive under the cap ``--budget``, the
+default; static with ``--no-adaptive``). Requests go one at a time and alternate between
 the servers (prompt 1 plain, prompt 1 JETFLOW, prompt 2 plain, ...), so both see the
 same machine state; only one server is ever busy. Chat prompts go to
 ``/v1/chat/completions``, code prompts to ``/v1/completions``. Per request: the
@@ -11,9 +12,11 @@ the last profile line of its log gives the share of a decode round per phase.
 
 Both servers run in bf16 where its matmuls are native (``--dtype auto``). There a tree verify
 and a one-token decode step can round a near-tie differently, so an answer may differ from the
-no-spec server's: for each such prompt, both servers answer again with log-probs, and the
-report gives the first differing position and the no-spec server's top-1 minus top-2 log-prob
-there (a near-tie below ``NEAR_TIE_GAP``). In fp32 the answers are identical.
+target-alone server's. Every answer's token ids come back with it; after the timed runs each
+difference is re-checked on the target-alone server and labelled by cause (`jetflow_sglang.explain`):
+a near-tie (the gap printed), or numerics the target reproduces alone (e.g. with its prompt cached).
+A difference with no cause is reported loudly, and `jetflow bench` exits 1. In float32, the exact
+check, the answers must be identical token for token.
 """
 
 from __future__ import annotations
@@ -28,14 +31,13 @@ from typing import Optional
 
 from jetflow_sglang import server as sglang_server
 from jetflow_sglang.training.data import Prompt, humaneval_prompts, load_prompts, sharegpt_prompts
+from jetflow_sglang.budget import BUDGET_ENV
 from jetflow_sglang.errors import JetFlowError
+from jetflow_sglang.explain import EXACT_CHECK, NEAR_TIE, NEAR_TIE_GAP, REPRODUCED
 from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV
 
 DEMO_SHAREGPT, DEMO_HUMANEVAL, DEMO_MAX_CHARS = 3, 3, 400
 PROFILE_MARK = "JETFLOW profile "
-# top-1 minus top-2 log-prob (= logit gap) below which bf16 rounding may flip the argmax: bf16
-# logits of magnitude 16-32 lie 0.125 apart, and measured differing answers part at gaps of 0 or 0.125
-NEAR_TIE_GAP = 0.25
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,8 @@ class BenchConfig:
     head: str = "default"
     prompts: str = "humaneval"  # demo | humaneval | sharegpt-heldout | FILE
     limit: Optional[int] = 8
-    budget: int = 64
+    budget: int = 64  # the cap of the adaptive tree budget, or every round's size (adaptive False)
+    adaptive: bool = True  # False: JETFLOW_BUDGET=static
     max_new_tokens: int = 256
     ignore_eos: bool = False
     lookup: bool = True  # the JETFLOW server merges prompt-lookup continuations into its trees
@@ -65,25 +68,33 @@ def bench_prompts(spec: str, limit: Optional[int]) -> list[Prompt]:
 
 
 def _request(client, model: str, prompt: Prompt, config: BenchConfig) -> dict:
-    extra = {"ignore_eos": config.ignore_eos, "return_spec_tokens_details": True}
+    """One greedy request: its text, token ids (the prompt's too) and the stop token it ended on
+    (SGLang's ``matched_stop`` when an id), tokens/s, and tau from ``spec_tokens_details``."""
+    extra = {"ignore_eos": config.ignore_eos, "return_spec_tokens_details": True, "return_token_ids": True}
     t0 = time.perf_counter()
     if prompt.kind == "chat":
         response = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": prompt.text}],
             temperature=0, max_tokens=config.max_new_tokens, extra_body=extra,
         )  # fmt: skip
-        text = response.choices[0].message.content or ""
+        choice = response.choices[0]
+        text, ids = choice.message.content or "", (choice.model_extra or {}).get("response_token_ids")
     else:
         response = client.completions.create(
             model=model, prompt=prompt.text, temperature=0, max_tokens=config.max_new_tokens, extra_body=extra
         )
-        text = response.choices[0].text
+        choice = response.choices[0]
+        text, ids = choice.text, (choice.model_extra or {}).get("token_ids")
     seconds = time.perf_counter() - t0
     tokens = response.usage.completion_tokens
     details = ((response.model_extra or {}).get("sglext") or {}).get("spec_tokens_details") or {}
     verify = details.get("spec_verify_ct") or 0
+    stop = (choice.model_extra or {}).get("matched_stop", getattr(choice, "matched_stop", None))
     return {
         "text": text,
+        "ids": list(ids or []),
+        "prompt_ids": list((choice.model_extra or {}).get("prompt_token_ids") or []),
+        "stop": stop if isinstance(stop, int) and not isinstance(stop, bool) else None,
         "tokens": tokens,
         "seconds": round(seconds, 4),
         "tokens_per_s": round(tokens / seconds, 3),
@@ -91,32 +102,37 @@ def _request(client, model: str, prompt: Prompt, config: BenchConfig) -> dict:
     }
 
 
-def _token_logprobs(client, model: str, prompt: Prompt, config: BenchConfig, top: int) -> list[tuple[str, list[float]]]:
-    """The answer again, as (token, its position's top-`top` log-probs, best first) per new token
-    (top 0: the tokens alone, which is all a JETFLOW server returns)."""
-    common = dict(model=model, temperature=0, max_tokens=config.max_new_tokens, extra_body={"ignore_eos": config.ignore_eos})
-    if prompt.kind == "chat":
-        response = client.chat.completions.create(
-            messages=[{"role": "user", "content": prompt.text}], logprobs=True, **({"top_logprobs": top} if top else {}), **common
-        )
-        content = response.choices[0].logprobs.content or []
-        return [(c.token, sorted((t.logprob for t in c.top_logprobs or ()), reverse=True)) for c in content]
-    response = client.completions.create(prompt=prompt.text, logprobs=top, **common)
-    logprobs = response.choices[0].logprobs
-    tops = logprobs.top_logprobs or [None] * len(logprobs.tokens)
-    return [(token, sorted((alts or {}).values(), reverse=True)) for token, alts in zip(logprobs.tokens, tops)]
+def explain_difference(url: str, ar: dict, spec: dict, tokenizer, exact: bool, ignore_eos: bool) -> dict:
+    """A row's ``difference``: where the two answers (`_request`) first part, each one's token
+    there, the target-alone server's re-checks at that position (`explain.recheck`) and their
+    verdict (`explain.label`); ``explained`` is False when no cause was found, and always in
+    float32 (`exact`), where any difference is an error."""
+    from jetflow_sglang import explain
 
-
-def first_divergence(plain: list[tuple[str, list[float]]], spec: list[tuple[str, list[float]]]) -> dict:
-    """Where two answers (`_token_logprobs`) first differ, and the no-spec server's margin there:
-    top-1 minus top-2 log-prob; a near-tie when below `NEAR_TIE_GAP`. Position None: the
-    answers agree (or one is a prefix of the other: an earlier stop)."""
-    for position, ((token, top), (other, _)) in enumerate(zip(plain, spec)):
-        if token != other:
-            gap = top[0] - top[1] if len(top) > 1 else None
-            return {"position": position, "gap": None if gap is None else round(gap, 4),
-                    "near_tie": gap is not None and gap < NEAR_TIE_GAP}  # fmt: skip
-    return {"position": None, "gap": None, "near_tie": False}
+    position = explain.first_difference(ar["ids"], spec["ids"])
+    if position is None:  # the same ids and a different text (not expected): nothing to re-check
+        target_token = jetflow_token = None
+        probes, verdict = [], explain.Verdict([], None, None, [])
+    else:
+        target_token = explain.token_at(ar["ids"], position, ar["stop"])
+        jetflow_token = explain.token_at(spec["ids"], position, spec["stop"])
+        probes = explain.recheck(url, ar["prompt_ids"], ar["ids"][:position], ignore_eos)
+        verdict = explain.label(jetflow_token, probes)
+    text = lambda token: "<end>" if token is None else tokenizer.decode([token])  # noqa: E731
+    return {
+        "position": position,
+        "target_token": target_token,
+        "jetflow_token": jetflow_token,
+        "target_text": text(target_token),
+        "jetflow_text": text(jetflow_token),
+        "probes": [asdict(p) for p in probes],
+        **asdict(verdict),
+        "exact": exact,
+        "explained": bool(verdict.causes) and not exact,
+        "prompt_ids": ar["prompt_ids"],
+        "target_ids": ar["ids"],
+        "jetflow_ids": spec["ids"],
+    }
 
 
 def last_profile(log: Path) -> Optional[dict]:
@@ -142,14 +158,16 @@ def run_bench(config: BenchConfig, echo=print) -> dict:
     dtype = serving_dtype(config.dtype)
     work = Path(tempfile.mkdtemp(prefix="jetflow-bench-"))
     logs = {"ar": work / "ar.log", "jetflow": work / "jetflow.log"}
-    echo(f"starting two SGLang servers on 127.0.0.1, {dtype} (logs in {work}) ...")
+    policy = f"adaptive tree budget, cap {config.budget}" if config.adaptive else f"static tree budget {config.budget}"
+    echo(f"starting two SGLang servers on 127.0.0.1, {dtype}; JETFLOW's {policy} (logs in {work}) ...")
     servers = {}
     try:
         try:
             servers["ar"] = sglang_server.start(str(target), logs["ar"], dtype=dtype)
             servers["jetflow"] = sglang_server.start(
                 str(target), logs["jetflow"], *sglang_server.jetflow_args(head_dir, config.budget),
-                dtype=dtype, env={"JETFLOW_PROFILE": "1", LOOKUP_ENV: "1" if config.lookup else "0"},
+                dtype=dtype, env={"JETFLOW_PROFILE": "1", LOOKUP_ENV: "1" if config.lookup else "0",
+                                  BUDGET_ENV: "adaptive" if config.adaptive else "static"},
             )  # fmt: skip
         except RuntimeError as exc:
             raise JetFlowError(f"{str(exc).splitlines()[0]} (server logs in {work})") from None
@@ -158,7 +176,7 @@ def run_bench(config: BenchConfig, echo=print) -> dict:
         warmup = Prompt(id="warmup", text="Hi", kind="chat")
         for client in clients.values():
             _request(client, model, warmup, BenchConfig(max_new_tokens=8))
-        rows = []
+        rows, timed = [], []
         for number, prompt in enumerate(prompts, 1):
             ar = _request(clients["ar"], model, prompt, config)
             spec = _request(clients["jetflow"], model, prompt, config)
@@ -170,9 +188,10 @@ def run_bench(config: BenchConfig, echo=print) -> dict:
                 "jetflow_tokens_per_s": spec["tokens_per_s"],
                 "speedup": round(spec["tokens_per_s"] / ar["tokens_per_s"], 3),
                 "tau": spec["tau"],
-                "identical": spec["text"] == ar["text"],
+                "identical": spec["ids"] == ar["ids"] and spec["text"] == ar["text"],
             }
             rows.append(row)
+            timed.append((ar, spec))
             if config.show_text:
                 echo(f"\n=== [{number}/{len(prompts)}] {prompt.kind} {prompt.id}: {prompt.text.strip().splitlines()[0][:100]}")
                 echo(spec["text"].rstrip())
@@ -180,11 +199,17 @@ def run_bench(config: BenchConfig, echo=print) -> dict:
                 f"--- [{number}/{len(prompts)}] {spec['tokens']} tokens | no spec {ar['tokens_per_s']:.1f} tok/s | "
                 f"JETFLOW {spec['tokens_per_s']:.1f} tok/s | tau {spec['tau']} | identical {row['identical']}"
             )
-        for prompt, row in zip(prompts, rows):  # after the timed runs: log-probs cost time
-            if not row["identical"]:
-                row["divergence"] = first_divergence(_token_logprobs(clients["ar"], model, prompt, config, 2),
-                                                     _token_logprobs(clients["jetflow"], model, prompt, config, 0))  # fmt: skip
-                echo(f"--- {prompt.id} differs: {row['divergence']}")
+        differing = [(prompt, row, answers) for prompt, row, answers in zip(prompts, rows, timed) if not row["identical"]]
+        if differing:  # after the timed runs: re-checks cost time and flush the target-alone server's cache
+            from transformers import AutoTokenizer
+
+            from jetflow_sglang.explain import describe
+
+            tokenizer = AutoTokenizer.from_pretrained(str(target))
+            for prompt, row, (ar, spec) in differing:
+                row["difference"] = explain_difference(servers["ar"].url, ar, spec, tokenizer, dtype == "float32",
+                                                       config.ignore_eos)  # fmt: skip
+                echo(describe(prompt.id, row["difference"]))
     finally:
         for server in servers.values():
             server.stop()
@@ -200,7 +225,10 @@ def run_bench(config: BenchConfig, echo=print) -> dict:
         "median_tau": statistics.median(taus) if (taus := [r["tau"] for r in rows if r["tau"] is not None]) else None,
         "all_identical": all(r["identical"] for r in rows),
         "identical_share": round(sum(r["identical"] for r in rows) / len(rows), 3),
-        "differing_at_near_tie": sum(r.get("divergence", {}).get("near_tie", False) for r in rows),
+        "differing": sum(not r["identical"] for r in rows),
+        "differing_by_cause": {cause: sum(cause in r["difference"]["causes"] for r in rows if "difference" in r)
+                               for cause in (NEAR_TIE, REPRODUCED)},  # fmt: skip
+        "unexplained": sum(not r["difference"]["explained"] for r in rows if "difference" in r),
     }
     report = {"config": {**asdict(config), "dtype": dtype}, "head_dir": head_dir, "summary": summary, "requests": rows,
               "profile": last_profile(logs["jetflow"])}  # fmt: skip
@@ -225,11 +253,19 @@ def format_table(report: dict) -> str:
     )
     differing = [r for r in rows if not r["identical"]]
     if differing:
+        gaps = [r["difference"]["gap"] for r in differing]
+        by_cause = s["differing_by_cause"]
         lines.append(f"{len(differing)} of {len(rows)} answers differ from the no-spec server's ({report['config']['dtype']}); "
-                     f"first difference at a near-tie (top-1 minus top-2 log-prob < {NEAR_TIE_GAP}): "
-                     f"{s['differing_at_near_tie']}; gaps: {[r.get('divergence', {}).get('gap') for r in differing]}")
+                     f"at a near-tie (JETFLOW's token within {NEAR_TIE_GAP} of the target's top-1 log-prob): {by_cause[NEAR_TIE]}, "
+                     f"gaps {gaps}; "
+                     f"the target alone reproduces JETFLOW's token: {by_cause[REPRODUCED]}; unexplained: {s['unexplained']}")  # fmt: skip
     profile = report.get("profile")
     if profile:
         shares = ", ".join(f"{k} {100 * v:.0f}% ({profile['ms_per_round'][k]:.1f} ms)" for k, v in profile["share"].items())
         lines.append(f"decode round profile over {profile['rounds']} rounds (N={profile['budget']}): {shares}")
+    if report["config"]["dtype"] == "float32":  # this run is the exact check
+        verdict = "PASSED" if not differing else f"FAILED: {len(differing)} of {len(rows)} answers differ"
+        lines.append(f"exact check (float32): JETFLOW's greedy output equals the target alone's token for token: {verdict}")
+    else:
+        lines.append(EXACT_CHECK)
     return "\n".join(lines)

@@ -3,6 +3,8 @@ to rounding) with a seeded random head bound to it."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -21,6 +23,15 @@ PROMPTS = [
     ("for i in range(10):", False),
     ("Write a haiku about rain.", True),
 ]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fresh_cost_cache(tmp_path_factory):
+    """Adaptive servers started by the tests measure their costs anew: they neither read nor
+    extend the tables a user's servers saved under $JETFLOW_HOME/costs."""
+    from jetflow_sglang.cost_cache import COST_CACHE_ENV
+
+    os.environ[COST_CACHE_ENV] = str(tmp_path_factory.mktemp("costs"))
 
 
 @pytest.fixture(scope="session")

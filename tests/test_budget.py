@@ -284,10 +284,109 @@ def test_policy_from_env(monkeypatch, tmp_path):
     policy = policy_from_env(64)
     assert policy.adaptive and policy.cost.verify.seconds(32) == pytest.approx(0.010 + 0.030 * 31 / 63)
     assert policy.cost.verify.known(1) and policy.cost.verify.known(64)  # a loaded size is trusted at once
+    policy.cost.verify.observe(64, 0.041)
+    assert policy.cost.verify.known(64)  # and stays trusted when measured once more
     assert policy.cost.draft.seconds(4) == pytest.approx(0.003)
     monkeypatch.setenv("JETFLOW_BUDGET", "fast")
     with pytest.raises(ValueError, match="static, adaptive"):
         policy_from_env(64)
+
+
+# ------------------------------------------------------------------ default policy and cost-table origin
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adaptive_is_the_default_and_measures_its_own_costs(monkeypatch, dtype):
+    """Nothing set: the adaptive policy under the cap, with no cost table, in either serving dtype.
+    It prices rounds from what it measures (smallest sizes first), and reports where it measured
+    them (what `benchmarks/verify_cost.py` records beside the table)."""
+    from jetflow_sglang.budget import DEFAULT_POLICY, host_fingerprint, policy_from_env
+
+    monkeypatch.delenv("JETFLOW_BUDGET", raising=False)
+    monkeypatch.delenv("JETFLOW_COST_TABLE", raising=False)
+    policy = policy_from_env(16, "cpu", dtype)
+    assert DEFAULT_POLICY == "adaptive" and policy.mode == "adaptive" and policy.cap == 16
+    assert policy.cost.verify.seconds_at == {} and policy.cost.plain.seconds_at == {}
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    assert policy.report()["origin"] == {"dtype": name, **host_fingerprint("cpu")}
+    tree = chain_tree(2, 15, 0.9, 16)
+    tree.scores = tree.scores.to(dtype)  # scores in the serving dtype are read the same
+    tried = []
+    for _ in range(7):
+        size, priority = policy.choose(tree)
+        tried.append(size)
+        policy.observe(prune_tree(tree, size, priority), torch.zeros(2, 16, dtype=torch.long), 0.02 + 0.001 * size, 0.001)
+    assert tried == [1, 1, 2, 2, 4, 4, 16]
+    monkeypatch.setenv("JETFLOW_BUDGET", "")  # empty: the default
+    assert policy_from_env(16, "cpu", dtype).adaptive
+
+
+def test_static_budget_on_request(monkeypatch):
+    from jetflow_sglang.budget import policy_from_env
+
+    monkeypatch.delenv("JETFLOW_COST_TABLE", raising=False)
+    monkeypatch.setenv("JETFLOW_BUDGET", "static")
+    policy = policy_from_env(16)
+    assert policy.mode == "static" and not policy.measuring
+    assert policy.choose(chain_tree(2, 8, 0.01, 16)) == (16, None)
+
+
+def _write_table(path, **origin) -> str:
+    path.write_text(json.dumps({"verify_ms": {"1": 10, "64": 40}, "draft_ms": {"1": 3}, **origin}))
+    return str(path)
+
+
+def test_cost_table_of_another_dtype_is_refused(monkeypatch, tmp_path):
+    from jetflow_sglang.budget import policy_from_env
+
+    monkeypatch.delenv("JETFLOW_BUDGET", raising=False)
+    monkeypatch.setenv("JETFLOW_COST_TABLE", _write_table(tmp_path / "bf16.json", dtype="bfloat16"))
+    with pytest.raises(ValueError, match=r"measured in bfloat16, but this server runs float32: measure one here") as info:
+        policy_from_env(64, "cpu", torch.float32)
+    assert "\n" not in str(info.value)
+    assert policy_from_env(64, "cpu", torch.bfloat16).cost.verify.known(64)
+    assert policy_from_env(64, "cpu", None).adaptive  # dtype not known yet (auto): the worker checks it
+    # Older tables record the dtype under "config", as benchmarks/verify_cost.py wrote it.
+    monkeypatch.setenv("JETFLOW_COST_TABLE", _write_table(tmp_path / "old.json", config={"dtype": "float32"}))
+    with pytest.raises(ValueError, match="measured in float32, but this server runs bfloat16"):
+        policy_from_env(64, "cpu", torch.bfloat16)
+
+
+@pytest.mark.parametrize("key, other", [("machine", "riscv64"), ("cuda", True), ("device_name", "Some Other CPU"), ("cpus", 4096)])
+def test_cost_table_of_another_machine_is_refused(monkeypatch, tmp_path, key, other):
+    from jetflow_sglang.budget import host_fingerprint, policy_from_env
+
+    here = host_fingerprint("cpu")
+    monkeypatch.delenv("JETFLOW_BUDGET", raising=False)
+    monkeypatch.setenv("JETFLOW_COST_TABLE", _write_table(tmp_path / "here.json", dtype="float32", **here))
+    assert policy_from_env(64, "cpu", torch.float32).cost.verify.known(64)  # recorded here: accepted
+    monkeypatch.setenv("JETFLOW_COST_TABLE", _write_table(tmp_path / "there.json", dtype="float32", **{**here, key: other}))
+    with pytest.raises(ValueError, match=rf"measured on another machine \(.*{other!r} there, .* here\)"):
+        policy_from_env(64, "cpu", torch.float32)
+
+
+def test_cost_table_without_origin_and_the_shipped_tables_load():
+    """A table that says nothing of where it was measured is taken as it is; the shipped tables
+    (architecture, CUDA or not, and their dtype under "config") load here in their own dtype."""
+    from pathlib import Path
+
+    from jetflow_sglang.budget import host_fingerprint
+
+    results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    here = host_fingerprint("cpu")
+    for name, dtype in (("verify_cost_cpu.json", "float32"), ("verify_cost_cpu_bf16.json", "bfloat16")):
+        data = json.loads((results / name).read_text())
+        if data.get("machine") != here["machine"]:
+            pytest.skip(f"{name} was measured on {data.get('machine')}")
+        assert CostTable.load(results / name, dtype, here).verify.seconds_at
+        with pytest.raises(ValueError, match="measured in"):
+            CostTable.load(results / name, "float16", here)
+    assert CostTable.from_json({"verify_ms": {"1": 10}}).verify.seconds_at == {1: 0.010}
+
+
+def test_dtype_names():
+    from jetflow_sglang.budget import dtype_name
+
+    assert [dtype_name(d) for d in (torch.float32, torch.bfloat16, "bf16", "half", "float", "auto", None)] == [
+        "float32", "bfloat16", "bfloat16", "float16", "float32", None, None]  # fmt: skip
 
 
 def test_a_round_must_pay_more_than_a_plain_step_by_the_margin():

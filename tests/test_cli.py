@@ -200,12 +200,45 @@ def test_auto_dtype_is_bf16_exactly_where_its_matmuls_are_native():
     assert build_parser().parse_args(["serve"]).dtype == "auto" == build_parser().parse_args(["bench"]).dtype
 
 
-def test_first_divergence_reports_the_no_spec_margin_where_answers_part():
-    from jetflow_sglang.served import NEAR_TIE_GAP, first_divergence
+def test_serve_and_bench_budget_is_adaptive_unless_asked_static():
+    """The tree budget is adaptive by default (--budget is its cap); --no-adaptive asks for a
+    static budget (--adaptive, the default, is still accepted)."""
+    from jetflow_sglang.cli import _config_from_args
+    from jetflow_sglang.served import BenchConfig
 
-    plain = [("a", [-0.1, -3.0]), ("b", [-0.70, -0.70 - NEAR_TIE_GAP / 2]), ("c", [-0.2, -2.0])]
-    assert first_divergence(plain, [("a", [-0.1]), ("x", [-0.6]), ("c", [-0.2])]) == {
-        "position": 1, "gap": round(NEAR_TIE_GAP / 2, 4), "near_tie": True}  # fmt: skip
-    far = first_divergence(plain, [("a", [-0.1]), ("b", [-0.7]), ("y", [-1.0])])
-    assert far["position"] == 2 and far["gap"] == pytest.approx(1.8) and not far["near_tie"]
-    assert first_divergence(plain, plain[:2])["position"] is None  # an earlier stop, not a different token
+    parser = build_parser()
+    for command in ("serve", "bench"):
+        assert parser.parse_args([command]).adaptive is True
+        assert parser.parse_args([command, "--adaptive"]).adaptive is True
+        assert parser.parse_args([command, "--no-adaptive"]).adaptive is False
+    assert BenchConfig().adaptive and _config_from_args(BenchConfig, parser.parse_args(["bench"])).adaptive
+    assert not _config_from_args(BenchConfig, parser.parse_args(["bench", "--no-adaptive", "--budget", "16"])).adaptive
+
+
+@pytest.mark.slow
+def test_bench_labels_every_bf16_difference_by_cause(prepared, tmp_path):
+    """`jetflow bench --dtype bfloat16` on two demo prompts: every answer that differs from the
+    target alone's is re-checked on the target-alone server and carries a cause, each in one
+    printed line; nothing is unexplained, so the exit code is 0; and the output names float32 as
+    the exact check."""
+    from jetflow_sglang.explain import EXACT_CHECK, TOP_LOGPROBS, first_difference
+
+    out = tmp_path / "bench.json"
+    run = run_cli("bench", "--dtype", "bfloat16", "--prompts", "demo", "--limit", "2", "--max-new-tokens", "24",
+                  "--out", str(out), timeout=1800)  # fmt: skip
+    assert out.is_file(), run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["config"]["dtype"] == "bfloat16" and report["summary"]["prompts"] == 2
+    for row in report["requests"]:
+        if row["identical"]:
+            assert "difference" not in row
+            continue
+        d = row["difference"]
+        assert d["causes"] and d["explained"], d
+        assert d["position"] == first_difference(d["target_ids"], d["jetflow_ids"]) is not None
+        assert any(len(p["top"]) == TOP_LOGPROBS for p in d["probes"]), d["probes"]
+        assert f"--- {row['id']} differs at new token {d['position']}: " in run.stdout
+    assert report["summary"]["differing"] == sum(not r["identical"] for r in report["requests"])
+    assert report["summary"]["unexplained"] == 0 and "!!!" not in run.stdout
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert EXACT_CHECK in run.stdout

@@ -241,7 +241,8 @@ def test_qwen3_target_with_a_published_head_is_lossless(prepared, tmp_path):
     prompts = [tokenizer(text).input_ids for text in ("def fibonacci(n):", "a b a b a b a b a")]
     outputs = {}
     for name, extra in (("nospec", ()), ("jetflow", sglang_server.jetflow_args(head_dir, 16))):
-        server = sglang_server.start(target, tmp_path / f"{name}.log", *extra, max_total_tokens=2048)
+        server = sglang_server.start(target, tmp_path / f"{name}.log", *extra, max_total_tokens=2048,
+                                     env={"JETFLOW_BUDGET": "static"})  # static: rounds as the reference engine's
         try:
             outputs[name] = [sglang_server.post(server.url + "/generate", {"input_ids": ids, "sampling_params": {
                 "temperature": 0, "max_new_tokens": 24, "ignore_eos": True}}) for ids in prompts]  # fmt: skip

@@ -3,8 +3,9 @@
 * A no-spec server gives the reference greedy token ids for 16 prompts (chat prompts
   that stop at EOS, raw completions that run to the token limit), and each prompt's
   continuation run past EOS for the oracle.
-* JETFLOW servers at budgets 16, 64 and 256 (each started once; 64 as the cap of the adaptive
-  tree budget, whose verify width changes round by round) must return the same token ids at
+* JETFLOW servers at budgets 16, 64 and 256 (each started once; 16 and 256 static, asked for with
+  `JETFLOW_BUDGET=static`; 64 as the cap of the adaptive tree budget, the default, whose verify
+  width changes round by round) must return the same token ids at
   concurrency 1 and 8. Half of the prompts are drafted by the shipped
   head with the prompt-lookup free branch (short accepted paths), the other half by
   the test oracle (`JETFLOW_TEST_ORACLE`), which puts the true continuation at random
@@ -19,7 +20,9 @@
 * Grammars (regex, JSON schema, EBNF) and a frontend program with regex, JSON-schema and
   `choices` gens equal the no-spec server's, in batches mixed with penalized, sampled and
   plain requests; sampling with top-k, top-p and min-p follows SGLang's own law.
-* Bad heads, budgets and cost tables: the launcher exits non-zero with a message naming the problem.
+* Bad heads, budgets, cost tables (unreadable, or recorded in another dtype or on another machine),
+  budget policies, and deterministic inference on this CPU: the launcher exits non-zero with a
+  message naming the problem.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ ORACLE_PROMPTS = [
 ]
 BUDGETS = [16, 64, 256]
 ADAPTIVE_CAP = 64
+STATIC = {"JETFLOW_BUDGET": "static"}  # the whole budget every round (the default is adaptive)
 REPETITIVE = "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday, Monday, Tuesday, Wednesday, Thursday,"
 ORACLE_EXTRA = 24  # oracle continuations run this far past each request's token limit
 
@@ -270,8 +274,9 @@ def reference(target_dir, cases, penalized_cases, grammar_cases, tmp_path_factor
 
 @pytest.fixture(scope="module", params=BUDGETS, ids=[f"budget{b}" for b in BUDGETS])
 def jetflow_server(request, target_dir, head_dir, reference, tmp_path_factory):
-    """Budgets 16 and 256 static; 64 as the cap of the adaptive budget (`--speculative-adaptive`),
-    which verifies a tree size of its choice round by round: every test below runs on both kinds."""
+    """Budgets 16 and 256 static (`JETFLOW_BUDGET=static`); 64 as the cap of the adaptive budget, a
+    plain launch's default, which verifies a tree size of its choice round by round: every test
+    below runs on both kinds."""
     budget = request.param
     adaptive = budget == ADAPTIVE_CAP
     log = tmp_path_factory.mktemp(f"jetflow_{budget}") / "server.log"
@@ -280,8 +285,7 @@ def jetflow_server(request, target_dir, head_dir, reference, tmp_path_factory):
         "--speculative-algorithm", "JETFLOW",
         "--speculative-draft-model-path", head_dir,
         "--speculative-num-draft-tokens", str(budget),
-        *(["--speculative-adaptive"] if adaptive else []),
-        env={"JETFLOW_TEST_ORACLE": reference["oracle_file"], "JETFLOW_PROFILE": "1"},
+        env={"JETFLOW_TEST_ORACLE": reference["oracle_file"], "JETFLOW_PROFILE": "1", **({} if adaptive else STATIC)},
     )  # fmt: skip
     server.budget, server.adaptive, server.log = budget, adaptive, log
     try:
@@ -346,7 +350,7 @@ def test_triton_kernels_in_the_worker_are_lossless(target_dir, head_dir, cases, 
     log = tmp_path / "server.log"
     server = sglang_server.start(
         target_dir, log, *sglang_server.jetflow_args(head_dir, 64),
-        env={"JETFLOW_TEST_ORACLE": reference["oracle_file"], "TRITON_INTERPRET": "1", "JETFLOW_TEST_DRAFT_PADDING": "1"},
+        env={"JETFLOW_TEST_ORACLE": reference["oracle_file"], "TRITON_INTERPRET": "1", "JETFLOW_TEST_DRAFT_PADDING": "1", **STATIC},
     )  # fmt: skip
     try:
         outputs = _run_all(server.url, [cases[i] for i in picked], 2)
@@ -376,7 +380,7 @@ def test_published_dflash_layout_head_serves_unchanged(target_dir, cases, refere
 
     head_dir = str(smollm2_published_head(target_dir, tmp_path / "published", sliding=True))
     picked = [0, 3]  # a chat prompt that stops at EOS, a raw completion that runs to the limit
-    server = sglang_server.start(target_dir, tmp_path / "server.log", *sglang_server.jetflow_args(head_dir, 64))
+    server = sglang_server.start(target_dir, tmp_path / "server.log", *sglang_server.jetflow_args(head_dir, 64), env=STATIC)
     try:
         outputs = _run_all(server.url, [cases[i] for i in picked], 2)
     finally:
@@ -417,7 +421,7 @@ def test_lookup_branch_raises_tau_and_switches_off(target_dir, head_dir, cases, 
     for lookup in ("1", "0", "only"):
         server = sglang_server.start(
             target_dir, tmp_path / f"lookup{lookup}.log", *sglang_server.jetflow_args(head_dir, 16),
-            "--chunked-prefill-size", "16", env={"JETFLOW_LOOKUP": lookup},
+            "--chunked-prefill-size", "16", env={"JETFLOW_LOOKUP": lookup, **STATIC},
         )  # fmt: skip
         try:
             outputs = _run_all(server.url, requests, len(requests))
@@ -626,6 +630,8 @@ def _bad_heads(head_dir: str, root: Path) -> dict[str, tuple[str, str]]:
 def test_bad_head_or_budget_refuses_to_start(target_dir, head_dir, tmp_path):
     broken_table = tmp_path / "cost.json"
     broken_table.write_text('{"verify_ms": {"4": -1}}')
+    bf16_table = tmp_path / "cost_bf16.json"  # these servers run float32
+    bf16_table.write_text('{"verify_ms": {"1": 10, "64": 40}, "dtype": "bfloat16"}')
     runs = [
         (name, path, "64", needle, [], None) for name, (path, needle) in _bad_heads(head_dir, tmp_path).items()
     ] + [
@@ -634,6 +640,12 @@ def test_bad_head_or_budget_refuses_to_start(target_dir, head_dir, tmp_path):
         ("backend", head_dir, "64", "cannot verify draft trees", ["--attention-backend", "torch_native"], None),
         ("tp2", head_dir, "64", "--tp 2 is not supported yet", ["--tp-size", "2"], None),
         ("cost_table", head_dir, "64", "times > 0", ["--speculative-adaptive"], {"JETFLOW_COST_TABLE": str(broken_table)}),
+        ("cost_table_dtype", head_dir, "64", "measured in bfloat16, but this server runs float32", [],
+         {"JETFLOW_COST_TABLE": str(bf16_table)}),
+        ("static_and_adaptive", head_dir, "64", "contradicts JETFLOW_BUDGET=static", ["--speculative-adaptive"],
+         {"JETFLOW_BUDGET": "static"}),
+        ("deterministic", head_dir, "64", "--enable-deterministic-inference is not supported on the CPU platform",
+         ["--enable-deterministic-inference", "--attention-backend", "triton"], None),
         ("fits", head_dir, "64", "", [], None),  # the control: a good head and budget resolve
     ]  # fmt: skip
     # Every case through the launcher's own argument resolution, in one process (a launch each

@@ -121,8 +121,10 @@ def servers(assets, oracle_cases, tmp_path_factory):
         dump_dir = work / "features"
         dump_dir.mkdir()
         env = {"JETFLOW_TEST_ORACLE": str(oracle_file), "JETFLOW_TEST_DUMP_FEATURES": str(dump_dir)}
-        # fp32 (its default is bf16 where native): ids and captured taps are compared exactly
-        serve_proc, info = _start_jetflow_serve(work / "jetflow.log", env, "--budget", str(BUDGET), "--dtype", "float32", *chunk)
+        # fp32 (its default is bf16 where native): ids and captured taps are compared exactly. A static
+        # budget (its default is adaptive): the oracle's long paths are verified every round.
+        serve_proc, info = _start_jetflow_serve(work / "jetflow.log", env, "--budget", str(BUDGET), "--no-adaptive",
+                                                "--dtype", "float32", *chunk)  # fmt: skip
         yield {"plain": plain.url, "jetflow": info["url"], "dump_dir": dump_dir, "serve_proc": serve_proc, "info": info}
     finally:
         plain.stop()

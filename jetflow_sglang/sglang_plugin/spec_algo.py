@@ -9,8 +9,10 @@ model loads, with one message naming the problem.
 
 Flags are SGLang's own: ``--speculative-draft-model-path`` (the head directory),
 ``--speculative-num-draft-tokens`` (tree budget N, root included, 1..512),
-``--speculative-eagle-topk`` (tree width, default 7), ``--speculative-adaptive`` (JETFLOW's
-load-aware tree size per round, the budget being its cap). The head's config.json
+``--speculative-eagle-topk`` (tree width, default 7). The tree budget is adaptive by default
+(JETFLOW's load-aware tree size per round, the budget being its cap: ``jetflow_sglang.budget``);
+``JETFLOW_BUDGET=static`` in the launcher's environment verifies the whole budget every round.
+SGLang's ``--speculative-adaptive`` is accepted and asks for the default. The head's config.json
 carries the block size and the target tap layers. Unless ``--max-running-requests`` is
 given, it becomes ``VERIFY_TOKENS_PER_BATCH // budget`` (128 at budget 16, 8 at 256), so the
 verify graphs and buffers stay the same size whatever the budget. The attention backend must
@@ -60,7 +62,7 @@ class JetFlowSpecAlgo(CustomSpecAlgo):
 
 
 def _fail(message: str) -> None:
-    raise ValueError(f"JETFLOW: {message}")
+    raise ValueError(f"JETFLOW: {message}") from None  # one line: no "during handling of" chain
 
 
 def validate_server_args(server_args) -> None:
@@ -118,6 +120,7 @@ def validate_server_args(server_args) -> None:
         )
     if server_args.speculative_num_steps is None:
         server_args.speculative_num_steps = depths
+    _check_deterministic_inference(server_args)  # before the backends, whose refusal would not say why
     _check_attention_backends(server_args)
     _resolve_budget_policy(server_args)
     if server_args.max_running_requests is None:
@@ -131,23 +134,49 @@ def validate_server_args(server_args) -> None:
 
 
 def _resolve_budget_policy(server_args) -> None:
-    """``--speculative-adaptive`` (SGLang's flag; its own adaptive runtime serves EAGLE chains
-    only) selects JETFLOW's load-aware tree budget, ``jetflow_sglang.budget``: the scheduler
-    processes read it from ``JETFLOW_BUDGET``, which the launcher's environment passes on."""
-    from jetflow_sglang.budget import BUDGET_ENV, COST_TABLE_ENV, POLICIES, CostTable
+    """The tree budget policy the scheduler processes will read from ``JETFLOW_BUDGET`` (the
+    launcher's environment passes on): adaptive unless it says static (or sweep, for
+    ``benchmarks/verify_cost.py``). ``--speculative-adaptive`` (SGLang's flag; its own adaptive
+    runtime serves EAGLE chains only and stays off) asks for the default, so it contradicts
+    ``JETFLOW_BUDGET=static``. A ``JETFLOW_COST_TABLE`` must be readable and, where it says so,
+    recorded in this server's dtype on this kind of machine (the worker checks the rest)."""
+    from jetflow_sglang.budget import BUDGET_ENV, COST_TABLE_ENV, CostTable, host_fingerprint, policy_name
 
+    try:
+        policy = policy_name()
+    except ValueError as exc:
+        _fail(str(exc))
     if getattr(server_args, "speculative_adaptive", False):
-        os.environ[BUDGET_ENV] = "adaptive"
+        if policy != "adaptive":
+            _fail(f"--speculative-adaptive contradicts {BUDGET_ENV}={policy}; the budget is adaptive by default, drop one of them")
         server_args.speculative_adaptive = False  # SGLang's EAGLE adaptive runtime stays off
-    policy = os.environ.get(BUDGET_ENV, "static")
-    if policy not in POLICIES:
-        _fail(f"{BUDGET_ENV} must be one of {', '.join(POLICIES)}, got {policy!r}")
     table = os.environ.get(COST_TABLE_ENV)
     if table:
+        device = str(getattr(server_args, "device", "") or "")
+        # The GPU's name is the worker's to read (no CUDA context in the launcher); auto dtype too.
+        host = host_fingerprint("cpu") if _on_cpu_platform(server_args) else (
+            host_fingerprint("cuda", name=False) if device.startswith("cuda") else None)  # fmt: skip
         try:
-            CostTable.load(table)
+            CostTable.load(table, server_args.dtype, host)
         except ValueError as exc:
             _fail(str(exc))
+
+
+def _on_cpu_platform(server_args) -> bool:
+    return str(getattr(server_args, "device", "") or "").startswith("cpu")  # "cpu" under the jetflow_cpu platform
+
+
+def _check_deterministic_inference(server_args) -> None:
+    """Refuse ``--enable-deterministic-inference`` on the CPU platform: its promise, the same
+    greedy output as the target alone, does not hold for a tree verify in bf16 there (the
+    adaptive tree sizes, and the batch, change the verify's shapes and so its rounding; a static
+    budget would still vary the batch). With the platform's own attention backend SGLang refuses
+    the flag first (it allows deterministic inference on GPU backends only); this is the reason
+    where another backend was named."""
+    if getattr(server_args, "enable_deterministic_inference", False) and _on_cpu_platform(server_args):
+        _fail("--enable-deterministic-inference is not supported on the CPU platform: the adaptive tree size and "
+              "the batch change the verify's shapes and with them bf16 rounding, so greedy output could differ from "
+              "the target alone's; drop the flag (in float32 greedy output equals the target alone's)")  # fmt: skip
 
 
 def _check_attention_backends(server_args) -> None:

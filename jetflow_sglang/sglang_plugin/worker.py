@@ -9,7 +9,8 @@ own buffers, indexed by the target's KV slot ids (radix-cache hits reuse them).
   K/V at the slots and positions the target just wrote.
 * Decode: ``batch.seq_lens`` committed tokens have KV; the anchor (the pending
   bonus token, ``spec_info.bonus_tokens``) sits at position ``seq_len``. One draft
-  pass -> best-first tree -> one TARGET_VERIFY forward with the FULL_MASK tree mask
+  pass (a hinted head also reads its lookup hints, :mod:`.hints`) -> best-first tree ->
+  one TARGET_VERIFY forward with the FULL_MASK tree mask
   (graph-captured on GPUs, :mod:`.verify_input`) -> tree walk over logits penalized and
   cut as SGLang's sampler would (greedy, or the target's own sampling at each path node:
   :mod:`.node_acceptance`) ->
@@ -36,18 +37,20 @@ from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
-from sglang.srt.runtime_context import get_spec
+from sglang.srt.runtime_context import get_exec, get_spec
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.eagle_utils import eagle_prepare_for_verify
 
 from jetflow_kernels import backend_name, build_tree_from_topk, tree_masks
 from jetflow_sglang.budget import policy_from_env
+from jetflow_sglang.cost_cache import open_cost_cache
 from jetflow_sglang.head import JetFlowHead
 from jetflow_sglang.tree import DraftTree, prune_tree, root_only
 
 from .committed_ids import CommittedIds
 from .feature_dump import FeatureDump
+from .hints import BatchHints, RoundLookups
 from .lookup_branch import LookupBranch, lookup_enabled, lookup_mode
 from .node_acceptance import accept_round
 from .proposer import DraftRequest, HeadProposer, OracleProposer, Proposer
@@ -90,7 +93,15 @@ class JetFlowWorker(BaseSpecWorker):
         self.proposer: Optional[Proposer] = None
         self.lookup = LookupBranch(self.depths) if lookup_enabled() else None
         self.lookup_only = lookup_mode() == "only"  # the head never drafts: the baseline
-        self.budget_policy = policy_from_env(self.budget, self.device)  # static: always the cap
+        hint_ngram = head.config.lookup_hint_ngram if head.config.lookup_hint else 0
+        self.lookups = RoundLookups(self.lookup, self.depths, hint_ngram)  # chains and a hinted head's hints
+        # Adaptive by default (the budget is its cap); JETFLOW_BUDGET=static: always the cap. A cost
+        # table of another dtype or machine is refused here, where both are known.
+        self.budget_policy = policy_from_env(self.budget, self.device, self.model_runner.dtype)
+        # Adaptive without JETFLOW_COST_TABLE: start from the costs the last server measured for this
+        # machine, target, dtype and head; save this one's every cost_cache.SAVE_EVERY rounds.
+        self.cost_cache = open_cost_cache(self.budget_policy, self.model_runner.model_config.model_path, head.config,
+                                          self.width, get_exec().kernel.attention_backend)  # fmt: skip
         self.committed_ids = CommittedIds()  # token ids with KV per request (overlap: req.output_ids lags)
         self.profile = os.environ.get(PROFILE_ENV, "") == "1"
         self.feature_dump = FeatureDump.from_env()  # tests: captured taps against HF's
@@ -132,8 +143,9 @@ class JetFlowWorker(BaseSpecWorker):
         if verify_graphs is not None and torch.device(self.device).type == "cuda":
             self.head_proposer.use_graphs(verify_graphs.capture_bs, "graph")
             if self.budget_policy.measuring:  # verify graphs hold one width: the cap
-                logger.warning("JETFLOW: adaptive tree budget off under CUDA graphs (captured at the cap only); "
-                               "--cuda-graph-backend-decode disabled turns it on")  # fmt: skip
+                logger.warning("JETFLOW: tree budget static at %d under CUDA graphs (the verify graphs are captured at "
+                               "the cap only); launch with --cuda-graph-backend-decode disabled for the adaptive budget",
+                               self.budget)  # fmt: skip
                 self.budget_policy.mode = "static"
             if self.lookup_only:  # lookup-only trees vary in size; the verify graphs do not
                 logger.warning("JETFLOW: JETFLOW_LOOKUP=only is off under CUDA graphs; the head drafts with the lookup branch")
@@ -226,14 +238,17 @@ class JetFlowWorker(BaseSpecWorker):
         return now
 
     def _draft_tree(
-        self, request: DraftRequest, chains: Optional[list], head_drafts: bool, t: float
+        self, request: DraftRequest, chains: Optional[list], hints: Optional[BatchHints], head_drafts: bool, t: float
     ) -> tuple[DraftTree, Optional[DraftTree], float]:
-        """Draft pass -> best-first tree at the cap -> free branch (lookup chains) -> this round's
-        size. Without the head: the lookup chains alone, or the root alone where none was found or
-        where chain rounds have lately cost more than they committed (adaptive; the skipped chain
-        tree is returned too, to be valued against what the target commits)."""
+        """Draft pass (a hinted head reads `hints`) -> best-first tree at the cap -> free branch
+        (lookup chains) -> this round's size. Without the head: the lookup chains alone, or the root
+        alone where none was found or where chain rounds have lately cost more than they committed
+        (adaptive; the skipped chain tree is returned too, to be valued against what the target
+        commits)."""
         skipped = None
         if head_drafts:
+            if hints is not None:
+                request.hint_tokens, request.hint_kinds = hints.tensors(self.device)
             logits = self.proposer.propose(request)
             t = self._tick("draft", t)
             topk_logprobs, topk_tokens = logits.float().log_softmax(-1).topk(min(self.width, logits.shape[-1]), dim=-1)
@@ -264,10 +279,10 @@ class JetFlowWorker(BaseSpecWorker):
             round_index=self.rounds,
         )
         self.committed_ids.keep_only(batch.reqs)
-        chains = self.lookup.chains(batch.reqs, seq_lens, anchors, self.committed_ids) if self.lookup else None
+        chains, hints = self.lookups(batch.reqs, seq_lens, anchors, self.committed_ids)
         # Adaptive: where the head's draft pass has not paid lately, rounds go without it.
         head_drafts = not self.lookup_only and not self.budget_policy.skip_draft(bs, any(chains or ()))
-        tree, skipped_chains, t = self._draft_tree(request, chains, head_drafts, t)
+        tree, skipped_chains, t = self._draft_tree(request, chains, hints, head_drafts, t)
         budget = tree.budget  # this round's verify width (adaptive: up to the cap)
         draft_seconds = self.budget_policy.clock() - round_start if head_drafts else None
         masks = tree_masks(tree.parents, tree.depths, seq_lens, packed=False)
@@ -312,7 +327,7 @@ class JetFlowWorker(BaseSpecWorker):
         if self.feature_dump is not None:
             rids = [req.rid for req in batch.reqs]
             self.feature_dump.verify(rids, seq_lens, anchors, committed, acceptance.num_accepted, path_features)
-        if self.lookup is not None or any_penalized(batch.reqs):  # a host sync: only when read
+        if self.lookups.reads_ids or any_penalized(batch.reqs):  # a host sync: only when read
             self.committed_ids.on_accept(batch.reqs, seq_lens, anchors, committed, acceptance.num_accepted)
         if batch.return_logprob:  # per request, its committed tokens' log-probs (SGLang slices accept_lens)
             logits = logits_output.next_token_logits.view(bs, budget, -1)
@@ -322,6 +337,8 @@ class JetFlowWorker(BaseSpecWorker):
         batch.forward_mode = ForwardMode.DECODE
         self._tick("bookkeeping", t)
         self.rounds += 1
+        if self.cost_cache is not None:
+            self.cost_cache.after_round(self.budget_policy, self.rounds)
         if self.profile and self.rounds % PROFILE_EVERY == 0:
             total = sum(self.timings.values())
             report = {
