@@ -1,7 +1,7 @@
 """Hinted head against its control and the shipped head: per-depth top-1 and τ per budget.
 
     .venv/bin/python benchmarks/hinted_eval.py --head v6=default --head control=out/hinted/control \
-        --head hinted=out/hinted/head --out benchmarks/results/hinted_eval.json
+        --head hinted=out/hinted/hinted --out benchmarks/results/hinted_eval.json
 
 Per prompt set (HumanEval: code; held-out ShareGPT: chat; neither trained on), fp32, greedy:
 1. per depth, on every anchor of the target's own continuation (computed once, shared by all

@@ -8,14 +8,14 @@
 # so that more training on code is not credited to the hints. Outputs under out/hinted/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEPS=${1:-600}
+STEPS=${1:-500}
 J=.venv/bin/jetflow
 D=${JETFLOW_HOME:-$HOME/.cache/jetflow}/data
 O=out/hinted
 mkdir -p "$O"
 $J regenerate --prompts sharegpt-validation --max-new-tokens 256 --dtype bfloat16 --out "$D/sharegpt-validation-regen"
-$J regenerate --prompts python-stdlib --skip 2000 --limit 800 --max-new-tokens 256 --dtype bfloat16 --out "$D/stdlib-regen-2000"
-$J regenerate --prompts sharegpt --skip 9000 --limit 400 --max-new-tokens 256 --dtype bfloat16 --out "$D/sharegpt-regen-9000"
+$J regenerate --prompts python-stdlib --skip 2000 --limit 500 --max-new-tokens 256 --dtype bfloat16 --out "$D/stdlib-regen-2000"
+$J regenerate --prompts sharegpt --skip 9000 --limit 250 --max-new-tokens 256 --dtype bfloat16 --out "$D/sharegpt-regen-9000"
 COMMON=(--init-head default --data "$D/stdlib-regen-2000,$D/sharegpt-regen-9000" --val-data "$D/sharegpt-validation-regen"
         --steps "$STEPS" --lr 3e-4 --warmup-steps 30 --anchor-fraction 0.25 --draft-vocab 16384 --depth-decay 4
         --reveal 0.1 --checkpoint-every 100 --val-blocks 512 --mask causal --layers 2 --batch-tokens 2048)
