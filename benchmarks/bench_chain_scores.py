@@ -24,7 +24,7 @@ from jetflow_sglang.cli import int_list
 from jetflow_sglang.drafter import HeadDrafter
 from jetflow_sglang.engine import ReferenceEngine, generate_ar
 from jetflow_sglang.lookup import CHAIN_SCORES, geometric_scores
-from jetflow_sglang.training.data import load_prompts
+from jetflow_sglang.prompts import load_prompts
 
 VARIANTS = {"head": None, "head+lookup (0.6^d)": geometric_scores(math.log(0.6), 15), "head+lookup (measured)": CHAIN_SCORES}
 

@@ -25,7 +25,7 @@ from jetflow_sglang.assets import load_head, resolve_target
 from jetflow_sglang.drafter import HeadDrafter
 from jetflow_sglang.engine import ReferenceEngine, generate_ar
 from jetflow_sglang.target import Target
-from jetflow_sglang.training.data import load_prompts
+from jetflow_sglang.prompts import load_prompts
 from jetflow_sglang.training.features import featurize, store_from_parts
 from jetflow_sglang.training.validate import ValidationSet
 

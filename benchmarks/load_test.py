@@ -199,7 +199,7 @@ def held_out_prompts(target: str, count: int, seed: int = 0) -> list[list[int]]:
     """Chat-templated held-out ShareGPT prompts of mixed lengths (at most 512 tokens)."""
     from transformers import AutoTokenizer
 
-    from jetflow_sglang.training.data import load_prompts
+    from jetflow_sglang.prompts import load_prompts
 
     tok = AutoTokenizer.from_pretrained(target)
     prompts = []

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from jetflow_sglang.assets import resolve_target
 from jetflow_sglang.target import check_model_dir, encode_prompt, serving_dtype
-from jetflow_sglang.training.data import load_prompts
+from jetflow_sglang.prompts import load_prompts
 from jetflow_sglang.training.regenerate import RegenerateConfig, make_backend
 
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from jetflow_sglang.head import JetFlowConfig, JetFlowHead
 from jetflow_sglang.target import fast_dtype
 from jetflow_sglang.training import objective as O
+from jetflow_sglang.training import blocks as B
 from jetflow_sglang.training import train as T
 from jetflow_sglang.training.features import FeatureStore, soft_labels
 
@@ -110,7 +111,7 @@ def new_step(head: JetFlowHead, store, final_hidden, lm_head, batches, rng, comp
             token_rows = torch.cat([torch.arange(store.offsets[i], store.offsets[i + 1]) for i in seq_index.tolist()])
             ids, logprobs = soft_labels(final_hidden[token_rows], lm_head, SOFT_K)
             store.topk_ids[token_rows], store.topk_logprobs[token_rows] = ids, logprobs
-        hidden, label_positions = T.head_forward_sequences(head, features, input_ids, rows, anchors, lengths, reveal)
+        hidden, label_positions = B.head_forward_sequences(head, features, input_ids, rows, anchors, lengths, reveal)
         topk_ids, topk_logprobs, labels = O.slot_targets(store, seq_index[rows], label_positions, to_draft, reveal)
         O.loss_and_backward(head, hidden, topk_ids, topk_logprobs, labels, "fkl")
     return len(rows)

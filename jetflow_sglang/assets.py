@@ -29,6 +29,14 @@ SHIPPED_HEADS = Path(__file__).parent / "heads"
 RANDOM_HEAD_SEED = 0
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write a text file whole or not at all (a temporary file renamed into place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+        tmp.write(text)
+    os.replace(tmp.name, path)
+
+
 def jetflow_home() -> Path:
     return Path(os.environ.get("JETFLOW_HOME") or Path.home() / ".cache" / "jetflow")
 

@@ -30,13 +30,12 @@ from pathlib import Path
 from typing import Optional
 
 from jetflow_sglang import server as sglang_server
-from jetflow_sglang.training.data import Prompt, humaneval_prompts, load_prompts, sharegpt_prompts
+from jetflow_sglang.prompts import Prompt, load_prompts
 from jetflow_sglang.budget import BUDGET_ENV
 from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.explain import EXACT_CHECK, NEAR_TIE, NEAR_TIE_GAP, REPRODUCED
 from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV
 
-DEMO_SHAREGPT, DEMO_HUMANEVAL, DEMO_MAX_CHARS = 3, 3, 400
 PROFILE_MARK = "JETFLOW profile "
 
 
@@ -56,14 +55,8 @@ class BenchConfig:
     out: Optional[str] = None  # JSON report path
 
 
-def demo_prompts() -> list[Prompt]:
-    """A few short held-out ShareGPT questions and the first HumanEval tasks."""
-    chat = [p for p in sharegpt_prompts("heldout") if len(p.text) <= DEMO_MAX_CHARS][:DEMO_SHAREGPT]
-    return chat + humaneval_prompts()[:DEMO_HUMANEVAL]
-
-
 def bench_prompts(spec: str, limit: Optional[int]) -> list[Prompt]:
-    prompts = demo_prompts() if spec == "demo" else load_prompts(spec)
+    prompts = load_prompts(spec)
     return prompts[:limit] if limit else prompts
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jetflow_sglang.training.data import (
+from jetflow_sglang.prompts import (
     file_prompts,
     humaneval_prompts,
     is_heldout,
@@ -61,7 +61,7 @@ def test_bad_prompt_files_are_refused(tmp_path, content):
 
 
 def test_python_stdlib_prompts_stop_where_the_body_begins(tmp_path):
-    from jetflow_sglang.training.code_prompts import python_stdlib_prompts
+    from jetflow_sglang.prompts import python_stdlib_prompts
 
     (tmp_path / "pkg").mkdir()
     (tmp_path / "test").mkdir()

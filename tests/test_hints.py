@@ -16,7 +16,8 @@ from jetflow_sglang.engine import ReferenceEngine, generate_ar
 from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.head import JetFlowHead
 from jetflow_sglang.lookup import hint_kind, lookup_draft, lookup_hint, lookup_hints_batched, lookup_match_length
-from jetflow_sglang.training.train import head_forward_sequences, load_init_head
+from jetflow_sglang.training.blocks import head_forward_sequences
+from jetflow_sglang.training.train import load_init_head
 from jetflow_sglang.training.validate import ValidationSet
 
 from test_train_units import tiny_config, tiny_head

@@ -74,7 +74,7 @@ def oracle_cases(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def long_cases(tokenizer) -> list[list[int]]:
-    from jetflow_sglang.training.data import sharegpt_prompts
+    from jetflow_sglang.prompts import sharegpt_prompts
 
     lo, hi = LONG_PROMPT_CHARS
     texts = [p.text for p in sharegpt_prompts("heldout") if lo <= len(p.text) <= hi][:NUM_LONG_PROMPTS]
@@ -366,7 +366,7 @@ def test_openai_response_format_json_schema(servers):
 # ------------------------------------------------------------------ bench_serving
 @pytest.mark.slow
 def test_bench_serving_sharegpt_completes_with_accept_length(servers, assets, tmp_path):
-    from jetflow_sglang.training.data import sharegpt_path
+    from jetflow_sglang.prompts import sharegpt_path
 
     port = servers["jetflow"].rsplit(":", 1)[1]
     result_file = tmp_path / "bench.jsonl"

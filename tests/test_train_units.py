@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from jetflow_sglang.head import JetFlowConfig, JetFlowHead, dense_attention
 from jetflow_sglang.lookup import lookup_draft, lookup_match
 from jetflow_sglang.training import objective as O
+from jetflow_sglang.training import blocks as B
 from jetflow_sglang.training import train as T
 from jetflow_sglang.training.features import FeatureStore
 from jetflow_sglang.training.validate import ValidationSet, chain_tau
@@ -187,7 +188,7 @@ def test_packed_sequence_attention_equals_the_per_block_dense_attention(causal, 
     input_ids = torch.randint(0, 50, (2, 9))
     rows, anchors = torch.tensor([0, 0, 0, 1, 1]), torch.tensor([1, 4, 7, 2, 4])
     reveal = torch.tensor([0, 2, 0, 1, 0])
-    hidden, label_positions = T.head_forward_sequences(head, features, input_ids, rows, anchors, lengths, reveal)
+    hidden, label_positions = B.head_forward_sequences(head, features, input_ids, rows, anchors, lengths, reveal)
     for n in range(len(rows)):
         row, a = int(rows[n]), int(anchors[n])
         context = head.context_kv(features[row : row + 1, :a], torch.arange(a)[None])
@@ -199,9 +200,9 @@ def test_packed_sequence_attention_equals_the_per_block_dense_attention(causal, 
         torch.testing.assert_close(hidden[n], expected[0, 1:])
         assert label_positions[n].tolist() == [a + d if a + d < lengths[row] else -1 for d in range(1, 5)]
     if causal:  # a truncated block (depth sampling) gives its slots exactly as the whole block does
-        short, short_positions = T.head_forward_sequences(head, features, input_ids, rows, anchors, lengths, reveal.clamp(max=1), 3)
+        short, short_positions = B.head_forward_sequences(head, features, input_ids, rows, anchors, lengths, reveal.clamp(max=1), 3)
         assert short.shape[1] == 2 and torch.equal(short_positions, label_positions[:, :2])
-        whole, _ = T.head_forward_sequences(head, features, input_ids, rows, anchors, lengths, reveal.clamp(max=1))
+        whole, _ = B.head_forward_sequences(head, features, input_ids, rows, anchors, lengths, reveal.clamp(max=1))
         torch.testing.assert_close(short, whole[:, :2])
 
 
@@ -303,7 +304,7 @@ def test_head_and_trainer_memorize_one_target_written_sequence(target, prompt_id
     reveal = torch.zeros_like(rows)
     losses = []
     for step in range(250):
-        hidden, label_positions = T.head_forward_sequences(head, features.float(), input_ids, rows, anchors, lengths, reveal)
+        hidden, label_positions = B.head_forward_sequences(head, features.float(), input_ids, rows, anchors, lengths, reveal)
         topk_ids, topk_logprobs, labels = O.slot_targets(store, seq_index[rows], label_positions, to_draft, reveal)
         loss, hits, _ = O.loss_and_backward(head, hidden, topk_ids, topk_logprobs, labels, "fkl")
         losses.append(loss)

@@ -23,7 +23,8 @@ Runs in every SGLang process (``sglang.srt.plugins.load_plugins``):
   every generate request passes before it is queued; SGLang has no request
   validation seam for speculative algorithms) so that, only while JETFLOW is the
   speculative algorithm, a request asking for what the tree walk does not apply yet
-  (``spec_algo.request_error``: grammars, min_p, seeds) is refused with a 400 and a
+  (``request_support.request_error``: custom logit processors, hidden states, top logprobs, min_p
+  with a seed) is refused with a 400 and a
   message saying why, instead of being served differently from the target alone;
 * wraps ``allocation_sizing.get_alloc_len_per_decode`` so that, while JETFLOW is the
   speculative algorithm, a decode step allocates KV for the tree budget per request: a
@@ -39,7 +40,8 @@ Runs in every SGLang process (``sglang.srt.plugins.load_plugins``):
 
 from __future__ import annotations
 
-from . import attention, spec_algo, verify_input
+from . import ALGORITHM, attention, spec_algo, verify_input
+from .request_support import request_error
 
 ASSIGN_REQ_TO_TOKEN = "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func"
 KV_COPY_WARMUP = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup"
@@ -74,8 +76,8 @@ def _kv_copy_warmup_around(original, pool, *args, **kwargs):
 
 
 def _resolve_alias_around(original, algorithm, *args, **kwargs):
-    if str(algorithm or "").upper() == spec_algo.ALGORITHM:
-        return spec_algo.ALGORITHM
+    if str(algorithm or "").upper() == ALGORITHM:
+        return ALGORITHM
     return original(algorithm, *args, **kwargs)
 
 
@@ -86,13 +88,13 @@ def _jetflow_active() -> bool:
         name = get_spec().speculative_algorithm
     except Exception:  # runtime context not initialised (not a scheduler process)
         return False
-    return str(name or "").upper() == spec_algo.ALGORITHM
+    return str(name or "").upper() == ALGORITHM
 
 
 def _validate_request_around(original, req, *args, **kwargs):
     error = original(req, *args, **kwargs)
     if error is None and _jetflow_active():
-        error = spec_algo.request_error(req)
+        error = request_error(req)
     return error
 
 

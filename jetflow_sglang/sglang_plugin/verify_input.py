@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .spec_algo import ALGORITHM
+from . import ALGORITHM
 
 
 def is_jetflow(spec_algorithm) -> bool:

@@ -54,7 +54,7 @@ from .hints import BatchHints, RoundLookups
 from .lookup_branch import LookupBranch, lookup_enabled, lookup_mode
 from .node_acceptance import accept_round
 from .proposer import DraftRequest, HeadProposer, OracleProposer, Proposer
-from .spec_algo import request_error
+from .request_support import request_error
 from .tree_penalties import any_penalized
 from .verify_input import verify_input
 

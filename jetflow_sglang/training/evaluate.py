@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from jetflow_sglang.training.data import Prompt, load_prompts
+from jetflow_sglang.prompts import Prompt, load_prompts
 from jetflow_sglang.drafter import HeadDrafter
 from jetflow_sglang.engine import ReferenceEngine, generate_ar
 from jetflow_sglang.errors import JetFlowError

@@ -35,7 +35,7 @@ def measure(target, head, slice_: GateSlice = GateSlice()) -> dict:
     `identical`: both matched plain decoding token for token."""
     from jetflow_sglang.drafter import HeadDrafter
     from jetflow_sglang.engine import ReferenceEngine, generate_ar
-    from jetflow_sglang.training.data import load_prompts
+    from jetflow_sglang.prompts import load_prompts
 
     engines = {
         "tau": ReferenceEngine(target, HeadDrafter(head), budget=slice_.budget, lookup=True),

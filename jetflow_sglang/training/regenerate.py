@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from jetflow_sglang.prompts import load_prompts
 from jetflow_sglang.training.data import (
     iter_examples,
-    load_prompts,
     read_meta,
     shard_paths,
     tokenizer_fingerprint,

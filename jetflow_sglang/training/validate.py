@@ -19,6 +19,7 @@ from torch import Tensor
 
 from jetflow_sglang.head import JetFlowHead
 from jetflow_sglang.lookup import lookup_draft
+from jetflow_sglang.training.blocks import head_forward_sequences
 
 SEQUENCES_PER_PASS = 8
 
@@ -77,8 +78,6 @@ class ValidationSet:
     def draft_tokens(self, head: JetFlowHead, hints: bool = True) -> Tensor:
         """The head's argmax token per anchor and depth [nb, D] (target ids); a hinted head reads
         the lookup hints of each anchor (hints=False: none, every slot plain MASK)."""
-        from jetflow_sglang.training.train import head_forward_sequences
-
         device, dtype = head.fc.weight.device, head.fc.weight.dtype
         out = []
         for first in range(0, len(self.sequences), SEQUENCES_PER_PASS):
