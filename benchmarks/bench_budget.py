@@ -59,8 +59,13 @@ def main() -> None:
     parser.add_argument("--cost-table", default=None, help="JETFLOW_COST_TABLE of the adaptive server (benchmarks/verify_cost.py)")
     parser.add_argument("--lookup-only", action="store_true",
                         help="also JETFLOW_LOOKUP=only (prompt-lookup chains alone, no head pass) at the cap")
+    parser.add_argument("--also-head", action="append", default=[], metavar="NAME=SPEC",
+                        help="another head served adaptive at the cap beside --head's servers (repeatable)")
+    parser.add_argument("--no-static", action="store_true", help="no static-budget servers (the largest budget is the cap)")
     parser.add_argument("--out", default=None, help="write the JSON report here")
     args = parser.parse_args()
+    if any("=" not in item for item in args.also_head):
+        parser.error("--also-head takes NAME=SPEC")
     args.dtype = serving_dtype(args.dtype)
 
     config = BenchConfig(head=args.head, prompts=args.prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
@@ -71,10 +76,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="jetflow-budget-bench-"))
     cap = max(args.budgets)
     variants = {"target": ([], {})}
-    for budget in args.budgets:
+    for budget in [] if args.no_static else args.budgets:
         variants[f"static {budget}"] = (sglang_server.jetflow_args(head_dir, budget), {BUDGET_ENV: "static", "JETFLOW_PROFILE": "1"})
     variants[f"adaptive (cap {cap})"] = (sglang_server.jetflow_args(head_dir, cap),
                                          {"JETFLOW_PROFILE": "1", **({COST_TABLE_ENV: args.cost_table} if args.cost_table else {})})  # fmt: skip
+    for name, spec in (item.split("=", 1) for item in args.also_head):
+        variants[f"adaptive (cap {cap}, {name})"] = (sglang_server.jetflow_args(str(head_dir_for(spec, target)), cap),
+                                                     {"JETFLOW_PROFILE": "1"})  # fmt: skip
     if args.lookup_only:
         variants["lookup only"] = (sglang_server.jetflow_args(head_dir, cap),
                                    {LOOKUP_ENV: "only", BUDGET_ENV: "static", "JETFLOW_PROFILE": "1"})  # fmt: skip

@@ -5,7 +5,8 @@ mask through FlashInfer), the JetFlow head's draft pass, and the tree kernels ag
 torch references. Prints a table last and writes JSON (relative paths: from the repo root).
 
 --dry-run: the same steps on a tiny Qwen3 on CPU, with perf_counter, the kernels' torch
-fallbacks, and the packed mask unpacked into SDPA (its logits must equal the 4D-mask run's).
+fallbacks, and the packed mask unpacked into SDPA (its logits must equal the 4D-mask run's). Its
+kernel tests are "partial": only their CPU-side ones can run there.
 """
 
 from __future__ import annotations
@@ -111,29 +112,68 @@ class Bench:
 # --------------------------------------------------------------------------- steps
 
 
+# The gpu-marked tests the device check runs on CUDA. A dry run selects the same files by name:
+# the CUDA tests (they skip without a GPU) and the fast CPU wrapper tests; the interpreter runs
+# would take minutes.
+KERNEL_TEST_FILES = ("tests/test_kernels.py", "tests/test_verify_attention.py", "tests/test_tree.py",
+                     "tests/test_seeded_sampling.py")  # fmt: skip
+DRY_RUN_SELECTION = "on_cuda or cpu_wrappers or rejects_bad_budgets"
+
+
+def pytest_counts(summary: str) -> dict[str, int]:
+    """Outcome counts of pytest's last summary line ("1 failed, 7 passed, 2 skipped in 3.1s",
+    "=== 2 errors in 0.5s ==="); "error" and "errors" both count as errors."""
+    counts: dict[str, int] = {}
+    for n, kind in re.findall(r"(\d+) (passed|failed|skipped|deselected|xfailed|xpassed|errors?)\b", summary):
+        kind = "errors" if kind.startswith("error") else kind
+        counts[kind] = counts.get(kind, 0) + int(n)
+    return counts
+
+
+def judge_tests(returncode: int, summary: str, dry_run: bool) -> tuple[str, str, dict[str, int]]:
+    """(status, what the run proved, counts) of the kernel tests' pytest run. status: passed
+    (every selected test ran and passed), partial (a dry run: the CPU-side tests passed, the CUDA
+    ones skipped), or failed. On the GPU every selected test must run: a skip there is a check
+    that did not happen, so it fails the device check."""
+    counts = pytest_counts(summary)
+    passed, skipped = counts.get("passed", 0), counts.get("skipped", 0)
+    failed = counts.get("failed", 0) + counts.get("errors", 0)
+    selected = passed + skipped + failed
+    if failed:
+        return "failed", f"{failed} of {selected} selected tests failed or errored", counts
+    if returncode != 0:
+        return "failed", f"pytest exited {returncode}", counts
+    if passed == 0:
+        return "failed", "no selected test ran", counts
+    if skipped and not dry_run:
+        return "failed", f"{skipped} of {selected} GPU tests skipped: on the GPU a check that did not run fails", counts
+    if skipped:
+        return "partial", (f"{passed} of {selected} passed (the CPU-side tests); {skipped} skipped without CUDA, "
+                           "so the GPU kernels themselves are unchecked"), counts  # fmt: skip
+    return "passed", f"all {passed} selected tests passed" + ("" if dry_run else " on CUDA"), counts
+
+
 def run_kernel_tests(dry_run: bool, timeout_s: float) -> dict:
-    """The kernel checks on CUDA (`-m gpu`): jetflow_kernels against their references, and SGLang's
-    Triton verify attention reading the tree mask. A dry run selects those (skipped without CUDA)
-    and the fast CPU wrapper tests; the interpreter runs would take minutes."""
-    selection = ["-k", "on_cuda or cpu_wrappers or rejects_bad_budgets"] if dry_run else ["-m", "gpu"]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
-           "tests/test_verify_attention.py", *selection]
+    """The gpu-marked tests of KERNEL_TEST_FILES on CUDA (`-m gpu`): jetflow_kernels against their
+    references, SGLang's Triton verify attention reading the tree mask, our mask packing against
+    FlashInfer's, and the seed hash against SGLang's kernel. A dry run: DRY_RUN_SELECTION."""
+    selection = ["-k", DRY_RUN_SELECTION] if dry_run else ["-m", "gpu"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TEST_FILES, *selection]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # this env's ninja (FlashInfer JIT)
     result, t0 = {"command": " ".join(cmd[2:])}, time.monotonic()
     try:
         proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
         lines = proc.stdout.strip().splitlines()
         summary = lines[-1] if lines else proc.stderr.strip()[-300:]
-        counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", summary)}
-        # On the GPU every selected test must run: a skip there is a check that did not happen.
-        ran = counts.get("passed", 0) > 0 and (dry_run or not counts.get("skipped"))
-        result.update(status="passed" if proc.returncode == 0 and ran else "failed", summary=summary, counts=counts)
-        if proc.returncode != 0:
+        status, proved, counts = judge_tests(proc.returncode, summary, dry_run)
+        result.update(status=status, proved=proved, summary=summary, counts=counts)
+        if status == "failed":
             result["output_tail"] = proc.stdout[-3000:] + proc.stderr[-2000:]
     except subprocess.TimeoutExpired:
-        result.update(status="timeout", summary=f"timed out after {timeout_s:.0f}s")
+        result.update(status="timeout", proved="nothing: timed out", summary=f"timed out after {timeout_s:.0f}s")
     result["seconds"] = round(time.monotonic() - t0, 1)
-    log(f"kernel tests {result['status']}: {result['summary']} ({result['seconds']}s)")
+    log(f"kernel tests {result['status']}: {result['proved']} ({result['summary']}, {result['seconds']}s)")
     return result
 
 
@@ -377,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
     if cuda and not args.skip_flashinfer:
         fi_build = start_flashinfer_build(out_path.with_name("flashinfer_warmup.log"))
     if args.skip_tests:
-        report["kernel_tests"] = {"status": "skipped", "summary": "--skip-tests"}
+        report["kernel_tests"] = {"status": "skipped", "proved": "nothing: --skip-tests", "summary": "--skip-tests"}
     else:  # (1)
         report["kernel_tests"] = run_kernel_tests(args.dry_run, timeout_s=min(240.0, args.deadline_s / 2))
     try:  # (2), (3)
@@ -397,7 +437,8 @@ def run(args: argparse.Namespace) -> int:
     out_path.write_text(json.dumps(report, indent=2) + "\n")
     log(f"wrote {out_path}")
     print(table(report))
-    failed = "fatal" in report or report["kernel_tests"]["status"] in ("failed", "timeout") or report["path_failures"]
+    tests_ok = ("passed", "skipped", "partial") if args.dry_run else ("passed", "skipped")  # skipped: --skip-tests
+    failed = "fatal" in report or report["kernel_tests"]["status"] not in tests_ok or report["path_failures"]
     return 1 if failed or any(r.status.startswith("error") for r in bench.rows) else 0
 
 
@@ -416,7 +457,8 @@ def table(report: dict) -> str:
     lines = [
         (f"JetFlow device check {report['date']}: {report['device']}, {report['dtype']}, median ms "
          f"({'perf_counter, DRY RUN at toy size' if dry else 'CUDA events'})"),
-        f"kernel tests: {report['kernel_tests'].get('status')} ({report['kernel_tests'].get('summary')})",
+        (f"kernel tests: {report['kernel_tests'].get('status')}: {report['kernel_tests'].get('proved')} "
+         f"({report['kernel_tests'].get('summary')})"),
         f"{f'target verify, prefix {prefix}':26s}{columns}",
     ]
     packed = "packed mask, CPU SDPA" if dry else "FlashInfer packed mask"
@@ -471,7 +513,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefix", type=int, default=0, help="tokens cached before the tree (default 1024; dry run 64)")
     parser.add_argument("--iters", type=int, default=0, help="timed runs per row (default 30; dry run 3; kernels 2x)")
     parser.add_argument("--deadline-s", type=float, default=0.0, help="start no row later than this many seconds (default 420; dry run 300)")
-    parser.add_argument("--skip-tests", action="store_true", help="do not run tests/test_kernels.py")
+    parser.add_argument("--skip-tests", action="store_true", help="do not run the kernel tests (KERNEL_TEST_FILES)")
     parser.add_argument("--skip-flashinfer", action="store_true", help="skip the FlashInfer packed-mask rows")
     return parser.parse_args(argv)
 

@@ -72,6 +72,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         "new_tokens": len(result.tokens),
         "rounds": result.rounds,
         "tau": round(result.tau, 4),
+        "accept_lengths": result.accept_lengths,  # accepted drafts per verify round
         "tokens_per_s": round(statistics.median(r.tokens_per_s for r in spec_runs), 3),
     }
     if args.compare_ar:
@@ -85,6 +86,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         return
     print(report.pop("text"))
     report.pop("tokens")
+    report.pop("accept_lengths")
     print("---")
     print("  ".join(f"{k}={v}" for k, v in report.items()), flush=True)
 

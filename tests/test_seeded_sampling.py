@@ -6,8 +6,9 @@ SGLang's deterministic inference (where the server reads `sampling_seed`) needs 
 backend, so this is checked at the function level on a toy language model: next-token logits
 are a fixed random table indexed by the previous token. SGLang's seed hash (`murmur_hash32`) is a
 Triton kernel with a CPU op in sgl_kernel's CPU build, which this machine's wheel lacks: on CPU
-the tests use `torch_murmur_hash32` below, the same hash in torch (checked against SGLang's
-kernel where a GPU is present)."""
+the tests use `torch_murmur_hash32` below, the same hash in torch, checked on the CPU against
+pinned values from SGLang's own Python reference of that hash, and against SGLang's kernel where
+a GPU is present (benchmarks/device_check.sh runs that test)."""
 
 from __future__ import annotations
 
@@ -64,9 +65,57 @@ def seed_hash_on_cpu(monkeypatch):
         monkeypatch.setattr(sampler, "murmur_hash32", torch_murmur_hash32)
 
 
+# Known hash values, computed with SGLang's CPU reference of the same hash (the watermark
+# detector's `_murmur3_words` over the words seed low, seed high, position, column; it finalizes
+# with 4 * 4 = 16 bytes as the kernel does): (seed, position) -> {column: hash}.
+PINNED = {
+    (0, 0): {0: 2167721464, 1: 10027521, 31: 1273648775, 32: 454682930, 4095: 3153783674, 151935: 1065631903},
+    (42, 17): {0: 3382997381, 1: 3497547135, 31: 1334323548, 32: 2716504633, 4095: 400600367, 151935: 275470352},
+    (-7, 5): {0: 3693819169, 1: 128128446, 31: 269436373, 32: 1699801648, 4095: 2181508210, 151935: 1745157860},
+    (2**40 + 3, 1 << 20): {0: 2630516582, 1: 1452468848, 31: 1629503929, 32: 3969551611, 4095: 432086748,
+                           151935: 3503996084},
+    (2**63 - 1, 2**31 - 1): {0: 1367382394, 1: 1259439722, 31: 4003580640, 32: 1876952178, 4095: 1764403172,
+                             151935: 3190621704},
+    (-(2**63), 123456): {0: 1866208009, 1: 612537173, 31: 2662101541, 32: 3179093718, 4095: 1432270229,
+                         151935: 1405816778},
+}  # fmt: skip
+
+
+def test_torch_hash_gives_the_pinned_values():
+    """The CPU stand-in for SGLang's kernel, on seeds of both signs and past 32 bits, positions up
+    to 2**31 - 1 and columns past 2**17: a wrong constant, rotation, word order or sign
+    handling changes these."""
+    columns = list(next(iter(PINNED.values())))
+    seeds, positions = zip(*PINNED)
+    got = torch_murmur_hash32(torch.tensor(seeds), torch.tensor(positions), torch.tensor(columns))
+    assert got.dtype == torch.uint32 and got.shape == (len(PINNED), len(columns))
+    want = [[row[c] for c in columns] for row in PINNED.values()]
+    assert got.to(torch.int64).tolist() == want
+
+
+def test_torch_hash_equals_sglang_cpu_reference():
+    """The pins are SGLang's own reference values, and the stand-in agrees with that reference
+    over many more inputs (the reference is plain Python, so this stays on the CPU)."""
+    from sglang.srt.sampling.watermarking.detector import _murmur3_words
+
+    mask = 0xFFFFFFFF
+
+    def reference(seed: int, position: int, column: int) -> int:
+        return _murmur3_words([seed & mask, (seed >> 32) & mask, position & mask, column & mask])
+
+    assert all(reference(s, p, c) == v for (s, p), row in PINNED.items() for c, v in row.items())
+    gen = torch.Generator().manual_seed(1)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (12,), generator=gen)
+    positions = torch.randint(0, 2**31 - 1, (12,), generator=gen)
+    columns = torch.randint(0, 262144, (40,), generator=gen)
+    got = torch_murmur_hash32(seeds, positions, columns).to(torch.int64).tolist()
+    for i, (seed, position) in enumerate(zip(seeds.tolist(), positions.tolist())):
+        assert got[i] == [reference(seed, position, c) for c in columns.tolist()], i
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="SGLang's seed hash kernel needs a GPU here")
-def test_torch_hash_equals_sglang_kernel():
+def test_torch_hash_equals_sglang_kernel_on_cuda():
     from sglang.kernels.ops.sampling.murmur_hash import murmur_hash32
 
     seed = torch.tensor([0, 42, -7, 2**40 + 3], dtype=torch.int64)
@@ -74,6 +123,10 @@ def test_torch_hash_equals_sglang_kernel():
     cols = torch.arange(3000)
     got = murmur_hash32(seed.cuda(), positions.cuda(), cols.cuda()).cpu()
     assert torch.equal(got.to(torch.int64), torch_murmur_hash32(seed, positions, cols).to(torch.int64))
+    pinned_seeds, pinned_positions = (torch.tensor(v, dtype=torch.int64) for v in zip(*PINNED))
+    pinned_columns = torch.tensor(list(next(iter(PINNED.values()))))
+    kernel = murmur_hash32(pinned_seeds.cuda(), pinned_positions.cuda(), pinned_columns.cuda()).cpu()
+    assert kernel.to(torch.int64).tolist() == [list(row.values()) for row in PINNED.values()]
 
 
 def info(batch: int, seed: int, temperature: float, top_k: int, top_p: float) -> SimpleNamespace:

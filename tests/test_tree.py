@@ -490,21 +490,36 @@ def test_packed_mask_matches_numpy(inputs, data):
     assert np.array_equal(packed.numpy(), ref_packed)
 
 
-def test_pack_bits_matches_flashinfer_if_it_runs_on_cpu():
-    try:
-        import flashinfer
-    except Exception:  # pragma: no cover - optional
-        pytest.skip("flashinfer not importable")
-    lens = [13, 0, 8, 21, 5]
-    bits = torch.rand(sum(lens), generator=torch.Generator().manual_seed(0)) < 0.5
-    bit_indptr = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)
-    try:
-        ref_packed, ref_indptr = flashinfer.segment_packbits(bits, bit_indptr, bitorder="little")
-    except Exception as exc:
-        pytest.skip(f"flashinfer.segment_packbits does not run on CPU: {str(exc)[:80]}")
-    packed, indptr = pack_bits(bits, torch.tensor(lens))
-    assert torch.equal(packed, ref_packed.cpu().to(torch.uint8))
-    assert indptr.tolist() == ref_indptr.cpu().tolist()
+@pytest.mark.gpu
+def test_pack_bits_matches_flashinfer_on_cuda():
+    """Our packing (the FlashInfer custom-mask layout) against FlashInfer's own
+    `segment_packbits`, which runs on CUDA only: segments of every length mod 8, empty ones, and
+    the packed mask of real trees over prefixes."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    flashinfer = pytest.importorskip("flashinfer")
+    cuda = torch.device("cuda")
+
+    def flashinfer_pack(bits: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        bit_indptr = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32, device=cuda)
+        return flashinfer.segment_packbits(bits, bit_indptr, bitorder="little")
+
+    gen = torch.Generator().manual_seed(0)
+    for lens in ([13, 0, 8, 21, 5], [1], [0, 0, 7], list(range(17)), [64, 9, 1000]):
+        bits = (torch.rand(sum(lens), generator=gen) < 0.5).to(cuda)
+        ref_packed, ref_indptr = flashinfer_pack(bits, lens)
+        packed, indptr = pack_bits(bits, torch.tensor(lens, device=cuda))
+        assert packed.device.type == "cuda" and packed.dtype == torch.uint8
+        assert torch.equal(packed, ref_packed.to(torch.uint8)), lens
+        assert indptr.tolist() == ref_indptr.tolist(), lens
+    anchors, logprobs = torch.tensor([3, 1]), make_logprobs(1, 2, 4, 6, "continuous")
+    tree = build_tree(anchors, logprobs, 9, 3)
+    tree = DraftTree(*(t.to(cuda) for t in (tree.tokens, tree.parents, tree.depths, tree.scores, tree.ancestors)))
+    prefix = torch.tensor([5, 11], device=cuda)
+    packed, indptr = packed_mask(tree, prefix)
+    lens = [9 * (p + 9) for p in prefix.tolist()]
+    ref_packed, ref_indptr = flashinfer_pack(full_mask(tree, prefix).reshape(-1), lens)
+    assert torch.equal(packed, ref_packed.to(torch.uint8)) and indptr.tolist() == ref_indptr.tolist()
 
 
 # --------------------------------------------------------------------------- refresh re-expansion
