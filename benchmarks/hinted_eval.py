@@ -7,8 +7,8 @@ Per prompt set (HumanEval: code; held-out ShareGPT: chat; neither trained on), f
 1. per depth, on every anchor of the target's own continuation (computed once, shared by all
    heads): top-1 of each head, of the prompt lookup, of the hinted heads with hints blanked, and
    the ceiling P(head right or lookup right); chain τ of each;
-2. τ at each budget in the reference engine, every head with and without the lookup branch,
-   plus the lookup alone; `identical` says every run matched plain decoding token for token.
+2. τ at each budget in the reference engine, each timed head with the lookup branch (and the
+   --branchless ones without it), plus the lookup alone; `identical` says every run matched plain decoding token for token.
 Prints tables and writes JSON (and a PNG of top-1 per depth).
 """
 
@@ -44,10 +44,12 @@ def per_depth(target: Target, heads: dict, prompts: list, max_new_tokens: int) -
     return rows, continuations
 
 
-def taus(target: Target, heads: dict, continuations: list, budgets: list[int], max_new_tokens: int) -> list[dict]:
+def taus(target: Target, heads: dict, continuations: list, budgets: list[int], max_new_tokens: int,
+         branchless: set[str]) -> list[dict]:  # fmt: skip
     any_head = next(iter(heads.values()))
     variants = [("lookup alone", any_head, True, False)]
-    variants += [(f"{name}{'' if lookup else ' (no branch)'}", head, lookup, True) for name, head in heads.items() for lookup in (True, False)]
+    variants += [(f"{name}{'' if lookup else ' (no branch)'}", head, lookup, True)
+                 for name, head in heads.items() for lookup in ((True, False) if name in branchless else (True,))]  # fmt: skip
     out = []
     for budget in budgets:
         for label, head, lookup, use_head in variants:
@@ -98,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", default="16,32,64", help="comma-separated tree budgets for τ")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="new tokens per prompt for τ")
     parser.add_argument("--no-tau", action="store_true", help="per-depth scores only")
+    parser.add_argument("--tau-heads", default="", help="comma-separated heads timed for τ (default: all)")
+    parser.add_argument("--branchless", default="", help="comma-separated heads also timed without the lookup branch")
     parser.add_argument("--out", required=True, help="JSON report path (a PNG is written beside it)")
     args = parser.parse_args(argv)
     try:
@@ -128,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"copy {pick(row['hint_use']['copy'])}")  # fmt: skip
         if not args.no_tau:
             short = [(ids, plain[: args.max_new_tokens]) for ids, plain in continuations]
-            report["tau"][name] = taus(target, heads, short, budgets, args.max_new_tokens)
+            timed = {k: v for k, v in heads.items() if not args.tau_heads or k in args.tau_heads.split(",")}
+            report["tau"][name] = taus(target, timed, short, budgets, args.max_new_tokens, set(args.branchless.split(",")))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
