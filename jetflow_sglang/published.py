@@ -160,6 +160,8 @@ def export_problems(config) -> list[str]:
         problems.append("it fuses the anchor with the features before it")
     if config.draft_vocab_size:
         problems.append("it drafts over a pruned vocabulary")
+    if getattr(config, "lookup_hint", False):
+        problems.append("it reads prompt-lookup hints in its MASK slots")
     return problems
 
 

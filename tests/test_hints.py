@@ -17,7 +17,7 @@ from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.head import JetFlowHead
 from jetflow_sglang.lookup import hint_kind, lookup_draft, lookup_hint, lookup_hints_batched, lookup_match_length
 from jetflow_sglang.training.blocks import head_forward_sequences
-from jetflow_sglang.training.train import load_init_head
+from jetflow_sglang.training.train import load_init_head, start_from
 from jetflow_sglang.training.validate import ValidationSet
 
 from test_train_units import tiny_config, tiny_head
@@ -69,8 +69,17 @@ def test_hints_read_only_the_past():
         assert torch.equal(again[0][at], tokens[at]) and torch.equal(again[1][at], kinds[at])
 
 
+def plain_copy(head: JetFlowHead) -> JetFlowHead:
+    """The same head without a hint path (a hinted head's weights less hint_proj and the kinds)."""
+    plain = JetFlowHead(dataclasses.replace(head.config, lookup_hint=False)).to(head.fc.weight.dtype)
+    plain.load_state_dict({k: v for k, v in head.state_dict().items() if not k.startswith("hint_")})
+    if head._target_embedding is not None:
+        plain.bind_target(head._target_embedding, head._target_lm_head)
+    return plain
+
+
 def hinted_copy(head: JetFlowHead, seed: int = 0, live: bool = True) -> JetFlowHead:
-    """The same head with a hint path: zero (live=False) or random."""
+    """The same plain head with a hint path: zero (live=False) or random."""
     hinted = JetFlowHead(dataclasses.replace(head.config, lookup_hint=True)).to(head.fc.weight.dtype)
     missing, unexpected = hinted.load_state_dict(head.state_dict(), strict=False)
     assert sorted(missing) == ["hint_kind_embedding", "hint_proj.weight"] and not unexpected
@@ -145,11 +154,27 @@ def test_init_head_lets_a_hinted_run_start_from_a_plain_head(prepared):
         tiny_config(lookup_hint=True)
 
 
+def test_a_run_started_from_a_hinted_head_keeps_its_hint_path_and_from_a_plain_one_starts_at_zero():
+    plain = tiny_head(anchor_fusion=True, tap_norm=True)
+    trained = hinted_copy(plain, live=True)
+    for start, expect_zero in ((trained, False), (plain, True)):
+        head = JetFlowHead(trained.config).init_weights(5)
+        with torch.no_grad():
+            head.hint_proj.weight.fill_(1.0)  # whatever a fresh run held before the copy
+        start_from(head, start)
+        assert torch.equal(head.fc.weight, plain.fc.weight)
+        if expect_zero:
+            assert not head.hint_proj.weight.any() and not head.hint_kind_embedding.any()
+        else:
+            assert torch.equal(head.hint_proj.weight, trained.hint_proj.weight)
+            assert torch.equal(head.hint_kind_embedding, trained.hint_kind_embedding)
+
+
 def test_reference_engine_with_a_live_hinted_head_is_lossless_and_passes_the_hints(prepared, target):
     from jetflow_sglang.assets import load_head
 
     shipped = load_head("default", Path(prepared["target"])).float().bind_target(target.embedding, target.lm_head)
-    head = hinted_copy(shipped, live=True)
+    head = hinted_copy(plain_copy(shipped), live=True)
     drafter = HeadDrafter(head)
     seen = []
     propose = drafter.propose

@@ -19,6 +19,7 @@ from jetflow_sglang.sglang_plugin.hints import RoundLookups
 from jetflow_sglang.sglang_plugin.lookup_branch import LookupBranch
 from jetflow_sglang.sglang_plugin.proposer import DraftRequest, HeadProposer
 from test_head import FUSED, small_head
+from test_hints import plain_copy
 
 DEPTHS = 6
 
@@ -135,7 +136,7 @@ SERVED = [(REPETITIVE, False, 40), (CODE, False, 32), ("List three fruits.", Tru
 
 def hinted_shipped_head(shipped: str, directory) -> str:
     """The shipped head with a hint path (`lookup_hint`) of seeded random weights, saved to `directory`."""
-    plain = JetFlowHead.load(shipped)
+    plain = plain_copy(JetFlowHead.load(shipped))
     head = JetFlowHead(dataclasses.replace(plain.config, lookup_hint=True))
     missing, unexpected = head.load_state_dict(plain.state_dict(), strict=False)
     assert sorted(missing) == ["hint_kind_embedding", "hint_proj.weight"] and not unexpected
@@ -189,7 +190,8 @@ def test_hinted_head_drafts_in_the_server_as_in_the_reference_engine(tmp_path):
     head_dir = hinted_shipped_head(str(assets["head"]), tmp_path / "hinted")
     cases = served_cases(target_dir)
     target, head = load_target_and_head(target_dir, head_dir, torch.float32)
-    _, plain_head = load_target_and_head(target_dir, str(assets["head"]), torch.float32)
+    plain_copy(JetFlowHead.load(str(assets["head"]))).save(tmp_path / "plain")  # the shipped head, hints or not, without them
+    _, plain_head = load_target_and_head(target_dir, str(tmp_path / "plain"), torch.float32)
     greedy = [hf_greedy(target, case["ids"], case["max_new_tokens"]) for case in cases]
     for lookup in ("1", "0"):
         server = sglang_server.start(

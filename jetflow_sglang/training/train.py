@@ -189,6 +189,17 @@ def load_init_head(head_spec: str, target_dir: Path, head_config: JetFlowConfig)
 
 
 @torch.no_grad()
+def start_from(head: JetFlowHead, start: JetFlowHead) -> None:
+    """Copy `start`'s weights and draft vocabulary into `head` (`load_init_head` checked that they
+    fit); a plain head started as a hinted one gets a zero hint path, a hinted one keeps its own."""
+    missing, unexpected = head.load_state_dict(start.state_dict(), strict=False)
+    if unexpected or any(not k.startswith("hint_") for k in missing):
+        raise JetFlowError(f"the starting head's weights do not fit: {missing + unexpected}")
+    if missing:
+        head.zero_hints()
+
+
+@torch.no_grad()
 def init_from_target(head: JetFlowHead, target_model) -> None:
     """Head layers start as the target's last layers (the ones that read the last tap's
     output), the final norm as the target's, and `fc` as a pass-through of the last tap:
@@ -254,10 +265,7 @@ def train(config: TrainConfig, log=print) -> dict:
     if config.init_from_target and not config.resume:
         init_from_target(head, target.model)
     if start_head is not None:
-        missing, unexpected = head.load_state_dict(start_head.state_dict(), strict=False)  # its weights and draft vocabulary
-        if unexpected or any(not k.startswith("hint_") for k in missing):
-            raise JetFlowError(f"--init-head {config.init_head}: weights do not fit ({missing + unexpected})")
-        head.zero_hints()
+        start_from(head, start_head)
         del start_head
         if head.draft_vocab is not None:  # the inherited vocabulary's coverage of this data
             coverage = vocab_coverage(store, head.draft_vocab, vocab)
