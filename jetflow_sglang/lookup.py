@@ -57,11 +57,8 @@ def lookup_match(context: Sequence[int], max_ngram: int = 3) -> int:
 def lookup_draft(context: Sequence[int], depth: int, max_ngram: int = 3) -> list[int]:
     """Up to `depth` tokens after the context: what followed the latest earlier occurrence of its
     suffix, continued periodically past the context's end; [] when there is no occurrence."""
-    j = lookup_match(context, max_ngram)
-    if j < 0:
-        return []
-    period = len(context) - 1 - j
-    return [context[j + (d - 1) % period + 1] for d in range(1, depth + 1)]
+    tokens, kinds = lookup_hint(context, depth, max_ngram)
+    return tokens if kinds and kinds[0] > 0 else []
 
 
 def lookup_hint(context: Sequence[int], depth: int, max_ngram: int = HINT_NGRAM) -> tuple[list[int], list[int]]:
