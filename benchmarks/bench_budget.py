@@ -45,6 +45,18 @@ def _run(client, model: str, prompts: list, config: BenchConfig, concurrency: in
             "texts": [r["text"] for r in results]}  # fmt: skip
 
 
+def baseline_code(checkout: Path, work: Path) -> Path:
+    """A folder whose jetflow_sglang and jetflow_kernels are the checkout's (PYTHONPATH and the
+    launcher's directory put it ahead of the installed package)."""
+    if not (checkout / "jetflow_sglang").is_dir() or not (checkout / "kernels").is_dir():
+        raise SystemExit(f"--baseline: {checkout} is not a checkout of this project")
+    code = work / "baseline-code"
+    code.mkdir()
+    (code / "jetflow_sglang").symlink_to(checkout.resolve() / "jetflow_sglang")
+    (code / "jetflow_kernels").symlink_to(checkout.resolve() / "kernels")
+    return code
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--head", default="default", help="default, random, or a head directory")
@@ -62,6 +74,9 @@ def main() -> None:
     parser.add_argument("--also-head", action="append", default=[], metavar="NAME=SPEC",
                         help="another head served adaptive at the cap beside --head's servers (repeatable)")
     parser.add_argument("--no-static", action="store_true", help="no static-budget servers (the largest budget is the cap)")
+    parser.add_argument("--baseline", default=None, metavar="CHECKOUT",
+                        help="another checkout of this project (e.g. a git worktree of main): every JETFLOW variant also "
+                             "runs on its code, interleaved, labelled 'baseline'")
     parser.add_argument("--out", default=None, help="write the JSON report here")
     args = parser.parse_args()
     if any("=" not in item for item in args.also_head):
@@ -86,12 +101,21 @@ def main() -> None:
     if args.lookup_only:
         variants["lookup only"] = (sglang_server.jetflow_args(head_dir, cap),
                                    {LOOKUP_ENV: "only", BUDGET_ENV: "static", "JETFLOW_PROFILE": "1"})  # fmt: skip
+    cwds: dict[str, str] = {}
+    if args.baseline:
+        code = baseline_code(Path(args.baseline), work)
+        for name, (extra, env) in list(variants.items()):
+            if name != "target":
+                # its own measured-cost folder: the two codes' adaptive servers share no costs
+                variants[f"{name} baseline"] = (extra, {**env, "PYTHONPATH": str(code), "JETFLOW_COST_CACHE": str(work / "baseline-costs")})
+                cwds[f"{name} baseline"] = str(code)
     servers, logs = {}, {}
     table = {}
     try:
         for i, (name, (extra, env)) in enumerate(variants.items()):
             logs[name] = work / f"server{i}.log"
-            servers[name] = sglang_server.start(str(target), logs[name], *extra, dtype=config.dtype, env=env)
+            servers[name] = sglang_server.start(str(target), logs[name], *extra, dtype=config.dtype, env=env,
+                                                cwd=cwds.get(name, str(work)))  # fmt: skip
         from openai import OpenAI
 
         clients = {n: OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=3600) for n, s in servers.items()}
@@ -121,16 +145,16 @@ def main() -> None:
     profiles = {name: last_profile(logs[name]) or {} for name in variants if name != "target"}
     profile = profiles[adaptive_name] or None
     chosen = (profile or {}).get("tree_sizes", {}).get("chosen")
-    print(f"\n{'variant':<20}" + "".join(f"{'c=' + str(c):>22}" for c in args.concurrency)
+    print(f"\n{'variant':<30}" + "".join(f"{'c=' + str(c):>22}" for c in args.concurrency)
           + f"   ({len(prompts)} {args.prompts} prompts, {args.max_new_tokens} new tokens, {args.dtype})")  # fmt: skip
     for name in variants:
         cells = [table[(name, c)] for c in args.concurrency]
-        print(f"{name:<20}" + "".join(
+        print(f"{name:<30}" + "".join(
             f"{c['tokens_per_s']:>9.1f} tok/s {c['vs_target']:>5.2f}x{'' if c['identical'] else '*':1}" for c in cells))
     print(f"adaptive sizes chosen (rounds): {chosen}   (* = output differs from the target's)")
     phases = {name: p.get("ms_per_round") for name, p in profiles.items()}
     for name, ms in phases.items():
-        print(f"{name:<20} ms per round: {ms}")
+        print(f"{name:<30} ms per round: {ms}")
     if args.out:
         report = {"config": {k: v for k, v in vars(args).items()}, "head": Path(head_dir).name,
                   "rows": list(table.values()), "adaptive_chosen": chosen, "adaptive_profile": profile,

@@ -270,24 +270,27 @@ def sglang_draft_rows(bench: Bench, head, features: Tensor, positions: Tensor, a
                       ) -> dict:
     """The draft pass as the SGLang worker runs it: the head's context K/V at KV slots read through
     req_to_token by the paged attention kernel, eagerly and replayed from a CUDA graph (the padded
-    replay path without capture on a dry run). Returns the max |logit| differences between paths."""
+    replay path without capture on a dry run). Returns the max differences of the top-WIDTH draft
+    log-probs between paths, and the dense logits' scale."""
     from jetflow_sglang.sglang_plugin.proposer import DraftRequest, HeadProposer
+    from jetflow_sglang.tree import top_candidates
 
     device, prefix = anchor.device, int(prefix_lens[0])
     block = head.config.block_size
     req_to_token = torch.arange(prefix + block, dtype=torch.int32, device=device)[None]
-    proposer = HeadProposer(head, req_to_token, prefix + block, device)
+    proposer = HeadProposer(head, req_to_token, prefix + block, device, WIDTH)
     proposer.write_context(features[0], torch.arange(prefix, device=device), positions[0])
     request = DraftRequest(anchor, prefix_lens, torch.zeros(1, dtype=torch.int64, device=device), [[]], ["0"])
-    dense = head.draft(anchor, prefix_lens, head.context_kv(features, positions)).float()
-    eager = proposer.propose(request).float()
+    dense_logits = head.draft(anchor, prefix_lens, head.context_kv(features, positions)).float()
+    dense = top_candidates(dense_logits, WIDTH)[0]
+    eager = proposer.propose(request)[0]
     bench.row("head", "paged_eager", block, lambda: proposer.propose(request))
     # Without CUDA there is no capture: a batch of 1 padded to 2 still checks the replay bookkeeping.
     proposer.use_graphs([1, 2, 4] if device.type == "cuda" else [2, 4], "graph" if device.type == "cuda" else "padded")
-    replayed = proposer.propose(request).float()
+    replayed = proposer.propose(request)[0]
     bench.row("head", "paged_graph", block, lambda: proposer.propose(request))
     diffs = {"paged_vs_dense": float((eager - dense).abs().max()), "graph_vs_eager": float((replayed - eager).abs().max()),
-             "logit_scale": float(dense.abs().max())}
+             "logit_scale": float(dense_logits.abs().max())}
     log(f"draft paths: {diffs}")
     return diffs
 
@@ -346,7 +349,7 @@ def measure(args: argparse.Namespace, bench: Bench, report: dict, dtype: torch.d
     bench.row("head", "draft", head.config.block_size, lambda: head.draft(anchor, prefix_lens, context))
     bench.row("head", "context_kv", 8, lambda: head.context_kv(features[:, :8], positions[:, :8]))
     report["draft_paths"] = sglang_draft_rows(bench, head, features, positions, anchor, prefix_lens)
-    topk = tuple(head.draft(anchor, prefix_lens, context).float().log_softmax(-1).topk(WIDTH, dim=-1))
+    topk = head.draft_candidates(head.draft_hidden(anchor, prefix_lens, context), WIDTH)
     s = Setup(verifier, config.vocab_size, prefix, dtype, anchor, prefix_lens, topk, head.config.block_size - 1)
     for n in report["budgets"]:
         s.trees[n] = tree = jk.build_tree_from_topk(anchor, *topk, n)

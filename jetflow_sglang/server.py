@@ -122,25 +122,29 @@ def start(
     dtype: str = "float32",
     max_total_tokens: int = 8192,
     timeout_s: float = STARTUP_TIMEOUT_S,
+    cwd: Optional[str] = None,
 ) -> Server:
     """Start a server and wait until /health answers. Its output goes to `log` (None: this
     process's stdout/stderr). Raises RuntimeError with the log tail if it does not come up. With a
     log, a failed bind is seen at once: a port picked here that another process took first is
-    replaced by a new one (up to `PORT_ATTEMPTS` launches); a port the caller chose is refused."""
+    replaced by a new one (up to `PORT_ATTEMPTS` launches); a port the caller chose is refused.
+    cwd: the launcher's directory (``python -m`` puts it first on its import path)."""
     for _ in range(0 if port else PORT_ATTEMPTS - 1):
         try:
-            return _start_once(target, log, extra, env, free_port(), dtype, max_total_tokens, timeout_s)
+            return _start_once(target, log, extra, env, free_port(), dtype, max_total_tokens, timeout_s, cwd)
         except PortInUse:
             pass
-    return _start_once(target, log, extra, env, port or free_port(), dtype, max_total_tokens, timeout_s)
+    return _start_once(target, log, extra, env, port or free_port(), dtype, max_total_tokens, timeout_s, cwd)
 
 
-def _start_once(target, log, extra, env, port: int, dtype: str, max_total_tokens: int, timeout_s: float) -> Server:
+def _start_once(target, log, extra, env, port: int, dtype: str, max_total_tokens: int, timeout_s: float,
+                cwd: Optional[str] = None) -> Server:  # fmt: skip
     url = f"http://{HOST}:{port}"
     cmd = server_cmd(target, port, *extra, dtype=dtype, max_total_tokens=max_total_tokens)
     out: IO | None = open(log, "wb") if log else None
     try:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=launcher_env(env), start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=launcher_env(env),
+                                start_new_session=True, cwd=cwd)  # fmt: skip
     finally:
         if out:
             out.close()

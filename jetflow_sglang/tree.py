@@ -64,6 +64,32 @@ def max_tree_nodes(num_depths: int, width: int) -> int:
     return total
 
 
+Candidates = tuple[Tensor, Tensor]  # per-depth top-k log-probs [..., k] float32 and their token ids [..., k] int64
+
+
+def top_candidates(logits: Tensor, width: int, vocab_ids: Tensor | None = None) -> Candidates:
+    """The `width` best draft tokens per row of logits [..., K], sorted: log-probs (a log-softmax over
+    the K rows in float32) and token ids, mapped through `vocab_ids` [K] when the K rows are a pruned
+    draft vocabulary (the target's other tokens have probability 0, so the log-probs are the same as
+    over the whole vocabulary). Both engines take their draft lists from here: the same trees at ties."""
+    logprobs, index = logits.float().log_softmax(-1).topk(min(width, logits.shape[-1]), dim=-1)
+    return logprobs, index if vocab_ids is None else vocab_ids[index]
+
+
+def build_tree_from_topk(anchor_tokens: Tensor, topk_logprobs: Tensor, topk_tokens: Tensor, budget: int) -> DraftTree:
+    """`build_tree` from per-depth top-k lists [b, D, k] (`top_candidates`): run over a vocabulary
+    of the k listed tokens, mapped back to token ids. Equals `build_tree(anchor, logprobs, budget, k)`
+    when the lists are `logprobs.topk(k)`, except where tied log-probs make `topk` order the sorted
+    lists differently the second time."""
+    batch, _, width = topk_logprobs.shape
+    tree = build_tree(anchor_tokens, topk_logprobs, budget, width)
+    is_root = tree.depths == 0
+    list_index = torch.where(is_root, 0, (tree.depths - 1) * width + tree.tokens)  # non-root tokens are ranks
+    listed = topk_tokens.reshape(batch, -1).to(torch.long).gather(1, list_index)
+    tree.tokens = torch.where(is_root, tree.tokens, listed)
+    return tree
+
+
 def build_tree(anchor_tokens: Tensor, draft_logprobs: Tensor, budget: int, width: int = 7) -> DraftTree:
     """Best-first tree of `budget` nodes (root included).
 
@@ -131,26 +157,23 @@ def build_tree(anchor_tokens: Tensor, draft_logprobs: Tensor, budget: int, width
     )
 
 
-def refreshed_tree(tree: DraftTree, node_logprobs: Tensor, draft_logprobs: Tensor, width: int = 7) -> DraftTree:
+def refreshed_tree(tree: DraftTree, node_top: Candidates, depth_top: Candidates) -> DraftTree:
     """Best-first re-expansion of a tree with path-conditioned log-probs (the refresh pass).
 
-    node_logprobs: [b, N, V], row i = log q(next | path to node i of `tree`);
-    draft_logprobs: [b, D, V], the one-pass per-depth log-probs, used for the children of
-    nodes the first tree did not hold. Same budget; a node's score is its path's sum, so
-    scores never rise along a path and the heap pops parents before children. Ties go to
-    the shallower node, then to the earlier push: deterministic.
+    node_top: top-k lists [b, N, k] (`top_candidates`), row i from log q(next | path to node i of
+    `tree`); depth_top: [b, D, k], the one-pass per-depth lists, used for the children of nodes
+    the first tree did not hold. Same budget; a node's score is its path's sum, so scores never
+    rise along a path and the heap pops parents before children. Ties go to the shallower node,
+    then to the earlier push: deterministic.
     """
     batch, budget = tree.tokens.shape
-    num_depths = draft_logprobs.shape[1]
-    width = min(width, draft_logprobs.shape[-1])
-    node_top = node_logprobs.float().topk(width, dim=-1)
-    depth_top = draft_logprobs.float().topk(width, dim=-1)
+    num_depths = depth_top[0].shape[1]
     rows = []
     for r in range(batch):
         first_tokens, first_parents = tree.tokens[r].tolist(), tree.parents[r].tolist()
         first_child = {(p, t): i for i, (p, t) in enumerate(zip(first_parents, first_tokens)) if i > 0}
-        node_lp, node_tok = node_top.values[r].tolist(), node_top.indices[r].tolist()
-        depth_lp, depth_tok = depth_top.values[r].tolist(), depth_top.indices[r].tolist()
+        node_lp, node_tok = node_top[0][r].tolist(), node_top[1][r].tolist()
+        depth_lp, depth_tok = depth_top[0][r].tolist(), depth_top[1][r].tolist()
         tokens, parents, depths, scores, origin = [first_tokens[0]], [-1], [0], [0.0], [0]
         heap: list[tuple[float, int, int, int, int]] = []
         push_order = itertools.count()

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from jetflow_sglang.accept import processed_probs
+from jetflow_sglang.accept import greedy_picks, processed_probs
 
 
 @triton.jit
@@ -136,4 +136,4 @@ def target_picks_from_uniforms(
     greedy = (temperature <= 0)[:, None]
     safe_temperature = torch.where(temperature <= 0, torch.ones_like(temperature), temperature)
     probs = processed_probs(logits, safe_temperature[:, None], top_k[:, None], top_p[:, None])
-    return torch.where(greedy, logits.argmax(-1), sample_inverse_cdf(probs, uniforms))
+    return torch.where(greedy, greedy_picks(logits), sample_inverse_cdf(probs, uniforms))

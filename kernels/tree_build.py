@@ -1,4 +1,4 @@
-"""Batched best-first tree build from per-depth top-k lists; reference: `jetflow_sglang.tree.build_tree`.
+"""Batched best-first tree build from per-depth top-k lists; reference: `jetflow_sglang.tree.build_tree_from_topk`.
 
 One program per request. Depth by depth it keeps the `keep = budget - 1` best children of
 the previous depth's kept nodes (the reference's per-depth pruning), and merges them into
@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from jetflow_sglang.tree import DraftTree, build_tree, check_budget, max_tree_nodes
+from jetflow_sglang.tree import DraftTree, check_budget, max_tree_nodes
+from jetflow_sglang.tree import build_tree_from_topk as tree_from_topk
 
 from ._dispatch import next_power_of_2, use_triton
 from ._sort import topk_descending
@@ -157,19 +158,9 @@ def build_tree_from_topk(anchor_tokens: Tensor, topk_logprobs: Tensor, topk_toke
 
 
 def build_tree_reference(anchor_tokens: Tensor, topk_logprobs: Tensor, topk_tokens: Tensor, budget: int) -> DraftTree:
-    """`build_tree` run over a vocabulary of the k listed tokens, mapped back to token ids.
-
-    Equals `build_tree(anchor, logprobs, budget, k)` when the lists are `logprobs.topk(k)`,
-    except where tied log-probs make `topk` order the sorted lists differently the second time.
-    """
+    """The torch reference: `jetflow_sglang.tree.build_tree_from_topk`, shapes checked."""
     _check_shapes(topk_logprobs, topk_tokens, budget)
-    batch, _, width = topk_logprobs.shape
-    tree = build_tree(anchor_tokens, topk_logprobs, budget, width)
-    is_root = tree.depths == 0
-    list_index = torch.where(is_root, 0, (tree.depths - 1) * width + tree.tokens)  # non-root tokens are ranks
-    listed = topk_tokens.reshape(batch, -1).to(torch.long).gather(1, list_index)
-    tree.tokens = torch.where(is_root, tree.tokens, listed)
-    return tree
+    return tree_from_topk(anchor_tokens, topk_logprobs, topk_tokens, budget)
 
 
 def build_tree_triton(anchor_tokens: Tensor, topk_logprobs: Tensor, topk_tokens: Tensor, budget: int) -> DraftTree:

@@ -198,28 +198,43 @@ def test_refresh_rows_equal_blocks_with_the_path_revealed(fused):
 SLIDING = dict(sliding_layers=[1], sliding_window=4)  # a published head's mix: full layer 0, sliding layer 1
 
 
+def paged_proposer(head: JetFlowHead, lens: list[int], rows: list[int], num_slots: int, gen: torch.Generator):
+    """SGLang's proposer over every vocabulary token (width = the vocabulary), each request's
+    random target features written at scattered KV slots of its req_to_token row; returns the
+    proposer and the features."""
+    from jetflow_sglang.sglang_plugin.proposer import HeadProposer
+
+    req_to_token = torch.zeros(max(rows) + 1, max(lens) + 23, dtype=torch.int32)
+    slots = torch.randperm(num_slots, generator=gen)
+    proposer = HeadProposer(head, req_to_token, num_slots, "cpu", width=head.config.target_vocab_size)
+    features, start = [], 0
+    for row, n in zip(rows, lens):
+        req_to_token[row, :n] = slots[start : start + n].to(torch.int32)
+        features.append(torch.randn(n, 3 * 32, generator=gen))
+        proposer.write_context(features[-1], slots[start : start + n], torch.arange(n))
+        start += n
+    return proposer, features
+
+
+def as_logprobs(candidates, vocab: int) -> torch.Tensor:
+    """Top-k lists (`tree.top_candidates`) back as log-probs over the vocabulary, -inf where unlisted."""
+    logprobs, tokens = candidates
+    return torch.full((*logprobs.shape[:-1], vocab), float("-inf")).scatter(-1, tokens, logprobs)
+
+
 @pytest.mark.parametrize("causal,extra", [(True, {}), (False, {}), (True, FUSED), (False, SLIDING)],
                          ids=["causal", "bidirectional", "fused", "sliding"])  # fmt: skip
 def test_paged_draft_equals_dense_draft_and_graph_padding_changes_nothing(causal, extra):
     """SGLang's proposer: context K/V at scattered KV slots read through req_to_token (the paged
     kernel's torch reference here), batch padded as for CUDA-graph replay, equals `draft` on each
     request's own dense context."""
-    from jetflow_sglang.sglang_plugin.proposer import DraftRequest, HeadProposer
+    from jetflow_sglang.sglang_plugin.proposer import DraftRequest
 
     fused = "anchor_fusion" in extra
     head = small_head(causal=causal, seed=3, **extra)
     gen = torch.Generator().manual_seed(4)
     lens, rows = [10, 57, 1], [3, 0, 4]
-    req_to_token = torch.zeros(5, 80, dtype=torch.int32)
-    slots = torch.randperm(200, generator=gen)
-    proposer = HeadProposer(head, req_to_token, num_slots=200, device="cpu")
-    features, start = [], 0
-    for row, n in zip(rows, lens):
-        req_to_token[row, :n] = slots[start : start + n].to(torch.int32)
-        feats = torch.randn(n, 3 * 32, generator=gen)
-        proposer.write_context(feats, slots[start : start + n], torch.arange(n))
-        features.append(feats)
-        start += n
+    proposer, features = paged_proposer(head, lens, rows, 200, gen)
     anchors = torch.tensor([7, 11, 2])
     request = DraftRequest(anchors, torch.tensor(lens), torch.tensor(rows), prompts=[[]] * 3, rids=["a", "b", "c"])
     with torch.no_grad():
@@ -232,7 +247,30 @@ def test_paged_draft_equals_dense_draft_and_graph_padding_changes_nothing(causal
         proposer.use_graphs([1, 2, 4, 8], "padded")
         assert proposer.runner.bucket(3) == 4 and proposer.runner.bucket(9) is None
         padded = proposer.propose(request)
-    assert paged.shape == (3, head.config.block_size - 1, 50)
+    assert paged[0].shape == paged[1].shape == (3, head.config.block_size - 1, 50)
+    assert bool((paged[0][..., 1:] <= paged[0][..., :-1]).all())  # each depth's list sorted, best first
+    paged, padded = as_logprobs(paged, 50), as_logprobs(padded, 50)
+    dense = dense.float().log_softmax(-1)
     assert torch.allclose(paged, dense, atol=1e-5), (paged - dense).abs().max()
     assert torch.allclose(padded, paged, atol=1e-6)
     assert proposer.runner.seq_lens[3] == 0  # the padding row has no context
+
+
+@pytest.mark.parametrize("pruned", [False, True])
+def test_draft_candidates_are_the_full_vocabulary_top_k(pruned):
+    """The top-k lists both engines build trees from (`draft_candidates`: a log-softmax and top-k
+    over the draft vocabulary only) are the target-vocabulary log-probs' own top-k: the same
+    tokens, in order, with the same log-probs; a pruned head lists only draft-vocabulary tokens."""
+    head = small_head(seed=5, **({"draft_vocab_size": 20} if pruned else {}))
+    if pruned:
+        head.set_draft_vocab(torch.randperm(50, generator=torch.Generator().manual_seed(1))[:20])
+    hidden = torch.randn(3, 5, head.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    logprobs, tokens = head.draft_candidates(hidden, width=7)
+    full = head.logits(hidden).float().log_softmax(-1)
+    want = full.topk(7, dim=-1)
+    assert tokens.shape == logprobs.shape == (3, 5, 7) and tokens.dtype == torch.int64
+    assert torch.equal(tokens, want.indices)
+    torch.testing.assert_close(logprobs, want.values, rtol=0, atol=1e-6)
+    if pruned:
+        assert set(tokens.flatten().tolist()) <= set(head.draft_vocab.tolist())
+        assert head.draft_candidates(hidden, width=64)[1].shape[-1] == 20  # never more than the draft vocabulary

@@ -177,13 +177,13 @@ def test_reference_engine_with_a_live_hinted_head_is_lossless_and_passes_the_hin
     head = hinted_copy(plain_copy(shipped), live=True)
     drafter = HeadDrafter(head)
     seen = []
-    propose = drafter.propose
+    propose_topk = drafter.propose_topk
 
-    def spy(anchor, position, hints=None):
+    def spy(anchor, position, width, hints=None):
         seen.append(hints)
-        return propose(anchor, position, hints)
+        return propose_topk(anchor, position, width, hints)
 
-    drafter.propose = spy
+    drafter.propose_topk = spy
     engine = ReferenceEngine(target, drafter, budget=16, lookup=True)
     ids = target.encode_prompt("def add(a, b):\n    return a + b\n\ndef add3(a, b, c):", chat=False)
     expected = generate_ar(target, ids, 40).tokens

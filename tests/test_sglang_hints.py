@@ -18,7 +18,7 @@ from jetflow_sglang.sglang_plugin.committed_ids import CommittedIds
 from jetflow_sglang.sglang_plugin.hints import RoundLookups
 from jetflow_sglang.sglang_plugin.lookup_branch import LookupBranch
 from jetflow_sglang.sglang_plugin.proposer import DraftRequest, HeadProposer
-from test_head import FUSED, small_head
+from test_head import FUSED, as_logprobs, paged_proposer, small_head
 from test_hints import plain_copy
 
 DEPTHS = 6
@@ -86,15 +86,7 @@ def test_padded_draft_with_hints_equals_eager_and_pads_with_kind_0():
     depths = head.config.block_size - 1
     gen = torch.Generator().manual_seed(4)
     lens, rows = [10, 23, 1], [3, 0, 4]
-    req_to_token = torch.zeros(5, 40, dtype=torch.int32)
-    slots = torch.randperm(100, generator=gen)
-    proposer = HeadProposer(head, req_to_token, num_slots=100, device="cpu")
-    features, start = [], 0
-    for row, n in zip(rows, lens):
-        req_to_token[row, :n] = slots[start : start + n].to(torch.int32)
-        features.append(torch.randn(n, 3 * 32, generator=gen))
-        proposer.write_context(features[-1], slots[start : start + n], torch.arange(n))
-        start += n
+    proposer, features = paged_proposer(head, lens, rows, 100, gen)
     anchors = torch.tensor([7, 11, 2])
     hint_tokens = torch.randint(0, 50, (3, depths), generator=gen)
     hint_kinds = torch.randint(1, 7, (3, depths), generator=gen)
@@ -119,6 +111,9 @@ def test_padded_draft_with_hints_equals_eager_and_pads_with_kind_0():
         assert proposer.runner.hint_kinds[3].eq(0).all() and proposer.runner.seq_lens[3] == 0  # the padding row
         padded_plain = proposer.propose(plain)
         assert proposer.runner.hint_kinds.eq(0).all()  # no hints given: kind 0 everywhere
+    vocab = head.config.target_vocab_size
+    dense = dense.float().log_softmax(-1)
+    eager, eager_plain, padded, padded_plain = (as_logprobs(c, vocab) for c in (eager, eager_plain, padded, padded_plain))
     torch.testing.assert_close(eager, dense, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(padded_plain, eager_plain, rtol=1e-5, atol=1e-5)
@@ -126,7 +121,7 @@ def test_padded_draft_with_hints_equals_eager_and_pads_with_kind_0():
     assert (eager[:2] - eager_plain[:2]).abs().amax() > 1e-2
     torch.testing.assert_close(eager[2], eager_plain[2], rtol=0, atol=1e-6)
     # A plain head's runner holds no hint buffers.
-    assert HeadProposer(small_head(seed=3, **FUSED), req_to_token, 100, "cpu").runner.hint_tokens is None
+    assert HeadProposer(small_head(seed=3, **FUSED), proposer.req_to_token, 100, "cpu", 4).runner.hint_tokens is None
 
 
 REPETITIVE = "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday, Monday, Tuesday, Wednesday, Thursday,"

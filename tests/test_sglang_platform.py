@@ -186,18 +186,19 @@ def _reference(q, k_all, v_all, visible):
     return out
 
 
+@pytest.mark.parametrize("requests", [1, 2])
 @pytest.mark.parametrize("layout", ["full", "qlen", "none", "none_bidirectional"])
-def test_target_verify_tree_mask(layout):
+def test_target_verify_tree_mask(layout, requests):
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     torch.manual_seed(0)
     backend, kv, r2t, layer = _make_backend()
     if layout == "none_bidirectional":
         layer.attn_type = AttentionType.ENCODER_ONLY
-    trees = [[-1, 0, 0, 1, 1, 2], [-1, 0, 1, 2, 0, 4]]  # two 6-node trees
+    trees = [[-1, 0, 0, 1, 1, 2], [-1, 0, 1, 2, 0, 4]][:requests]  # 6-node trees
     n = 6
-    seq_lens = [5, 9]
-    rows = [1, 2]
+    seq_lens = [5, 9][:requests]
+    rows = [1, 2][:requests]
     # Prefix slots (committed KV) and verify slots, scattered through the pool.
     perm = torch.randperm(200)[: sum(seq_lens) + n * len(seq_lens)] + 1
     off = 0
@@ -343,3 +344,21 @@ def test_plugin_routes_spec_allocation_to_torch():
         start_offset=torch.tensor([2, 5]), batch_size=2, draft_token_num=2, device="cpu",
     )  # fmt: skip
     assert locs.tolist() == [10, 11, 12, 13]
+
+
+def test_torch_threads_restores_the_count_also_after_an_error():
+    from jetflow_sglang.sglang_plugin.threads import one_thread, torch_threads
+
+    before = torch.get_num_threads()
+    with one_thread():
+        assert torch.get_num_threads() == 1
+        with torch_threads(before + 1):  # the verify's threads inside a one-thread round
+            assert torch.get_num_threads() == before + 1
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError):
+        with one_thread():
+            raise RuntimeError("a failed round")
+    assert torch.get_num_threads() == before
+    with one_thread(False):
+        assert torch.get_num_threads() == before

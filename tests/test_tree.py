@@ -525,6 +525,10 @@ def test_pack_bits_matches_flashinfer_on_cuda():
 # --------------------------------------------------------------------------- refresh re-expansion
 
 
+def topk_lists(logprobs: torch.Tensor, width: int):
+    return logprobs.float().topk(min(width, logprobs.shape[-1]), dim=-1)
+
+
 @SETTINGS
 @given(tree_inputs())
 def test_refresh_with_unchanged_logprobs_rebuilds_the_same_node_set(inputs):
@@ -534,7 +538,7 @@ def test_refresh_with_unchanged_logprobs_rebuilds_the_same_node_set(inputs):
     tree = build_tree(anchors, logprobs, budget, width)
     depth_rows = tree.depths.clamp(max=logprobs.shape[1] - 1)
     node_logprobs = logprobs.gather(1, depth_rows[..., None].expand(-1, -1, logprobs.shape[-1]))
-    again = refreshed_tree(tree, node_logprobs, logprobs, width)
+    again = refreshed_tree(tree, topk_lists(node_logprobs, width), topk_lists(logprobs, width))
     assert again.tokens.shape == tree.tokens.shape
     for b in range(anchors.shape[0]):
         first = dict(zip(token_paths(tree, b), tree.scores[b].tolist()))
@@ -557,7 +561,7 @@ def test_refreshed_tree_is_best_first_under_node_logprobs(inputs, seed):
     tree = build_tree(anchors, logprobs, budget, width)
     gen = torch.Generator().manual_seed(seed)
     node_logprobs = torch.log_softmax(torch.randn(*tree.tokens.shape, logprobs.shape[-1], generator=gen) * 2, -1)
-    again = refreshed_tree(tree, node_logprobs, logprobs, width)
+    again = refreshed_tree(tree, topk_lists(node_logprobs, width), topk_lists(logprobs, width))
     for b in range(anchors.shape[0]):
         first_paths = {p: i for i, p in enumerate(token_paths(tree, b))}
         paths = token_paths(again, b)

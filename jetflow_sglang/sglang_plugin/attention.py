@@ -39,6 +39,8 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from .threads import one_thread
+
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -113,13 +115,7 @@ def _attend(query, k_cache, v_cache, kv_loc, mask, layer) -> torch.Tensor:
         key = key.to(query.dtype)
         value = value.to(query.dtype)
     work = query.shape[0] * query.shape[1] * query.shape[2] * key.shape[0]
-    threads = torch.get_num_threads()
-    single = threads > 1 and work < SMALL_ATTENTION_WORK
-    if single:
-        # A small SDPA is microseconds of work, but its OpenMP region costs
-        # milliseconds whenever the cores are shared with other processes.
-        torch.set_num_threads(1)
-    try:
+    with one_thread(work < SMALL_ATTENTION_WORK):  # see .threads
         out = scaled_dot_product_attention(
             query.movedim(0, 1).unsqueeze(0),  # [1, H, q, D]
             key.movedim(0, 1).unsqueeze(0),  # [1, Hkv, kv, D]
@@ -128,9 +124,6 @@ def _attend(query, k_cache, v_cache, kv_loc, mask, layer) -> torch.Tensor:
             scale=layer.scaling,
             enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
         )
-    finally:
-        if single:
-            torch.set_num_threads(threads)
     return out.squeeze(0).movedim(0, 1)
 
 
@@ -287,8 +280,11 @@ class JetflowCpuAttnBackend(TorchNativeAttnBackend):
         window = layer.sliding_window_size
         use_window = window is not None and window > -1
 
-        if bs > 1 and not use_window:
+        if not use_window:  # slots and mask built once per forward, shared by every layer
             kv_loc, mask = self._verify_rows(forward_batch, req_to_token, tree_masks, n)
+            if bs == 1:  # one request: `_attend` keeps a small SDPA on one thread
+                o_.copy_(_attend(q_, k_cache, v_cache, kv_loc[0], mask[0], layer))
+                return o
             out = _attend_batched(q_.view(bs, n, *q_.shape[1:]), k_cache, v_cache, kv_loc, mask, layer)
             o_.copy_(out.reshape(o_.shape))
             return o

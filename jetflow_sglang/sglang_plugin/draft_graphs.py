@@ -24,8 +24,8 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-# (anchors, seq_lens, req_pool_indices[, hint_tokens, hint_kinds]) -> logits [b, D, V]
-DraftFn = Callable[..., Tensor]
+# (anchors, seq_lens, req_pool_indices[, hint_tokens, hint_kinds]) -> top-k log-probs and tokens [b, D, k]
+DraftFn = Callable[..., tuple[Tensor, Tensor]]
 MODES = ("eager", "padded", "graph")
 
 
@@ -51,7 +51,7 @@ class DraftGraphRunner:
         self.hint_tokens = torch.zeros(max_bs, hint_depth, dtype=torch.int64, device=device) if hint_depth else None
         self.hint_kinds = torch.zeros(max_bs, hint_depth, dtype=torch.int64, device=device) if hint_depth else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, Tensor] = {}
+        self.outputs: dict[int, tuple[Tensor, Tensor]] = {}
         if mode == "graph":
             self._capture()
 
@@ -90,8 +90,8 @@ class DraftGraphRunner:
         req_pool_indices: Tensor,
         hint_tokens: Tensor | None = None,
         hint_kinds: Tensor | None = None,
-    ) -> Tensor:
-        """Draft logits [b, D, V]; hint_tokens, hint_kinds [b, hint_depth] (None: no hints; a runner
+    ) -> tuple[Tensor, Tensor]:
+        """Top-k draft log-probs and tokens [b, D, k]; hint_tokens, hint_kinds [b, hint_depth] (None: no hints; a runner
         without hint buffers ignores them)."""
         batch = anchors.shape[0]
         values: tuple[Tensor | None, ...] = (anchors, seq_lens, req_pool_indices)
@@ -108,5 +108,7 @@ class DraftGraphRunner:
             static[batch:].zero_()
         if self.mode == "graph":
             self.graphs[bs].replay()
-            return self.outputs[bs][:batch]
-        return self.draft(*self._inputs(bs))[:batch]
+            logprobs, tokens = self.outputs[bs]
+        else:
+            logprobs, tokens = self.draft(*self._inputs(bs))
+        return logprobs[:batch], tokens[:batch]

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from jetflow_kernels import accept_greedy, accept_sampling
-from jetflow_sglang.accept import Acceptance
+from jetflow_sglang.accept import Acceptance, greedy_picks
 from jetflow_sglang.tree import DraftTree
 
 from .committed_ids import CommittedIds
@@ -37,7 +37,7 @@ def accept_round(
     if sampling_info is not None and sampling_info.logit_bias is not None:
         logits.add_(sampling_info.logit_bias[:, None, : logits.shape[-1]].to(logits.dtype))
     if sampling_info is None or sampling_info.is_all_greedy:
-        return accept_greedy(tree, logits.argmax(-1), max_depth=max_depth)
+        return accept_greedy(tree, greedy_picks(logits), max_depth=max_depth)
     if sampling_info.sampling_seed is not None:  # --enable-deterministic-inference
         return accept_greedy(tree, seeded_picks(logits, tree, seq_lens, sampling_info), max_depth=max_depth)
     top_ks = sampling_info.top_ks.view(-1).to(torch.int64)

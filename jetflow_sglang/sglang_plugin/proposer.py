@@ -1,4 +1,4 @@
-"""Proposers for the SGLang JETFLOW worker: per-depth draft logits for a batch.
+"""Proposers for the SGLang JETFLOW worker: per-depth top-k draft lists for a batch.
 
 The worker never learns what is behind a proposer: the JetFlow head (keeping its
 context K/V in buffers indexed by the target's KV slot ids, so radix-cache hits
@@ -21,6 +21,7 @@ from torch import Tensor
 from jetflow_kernels import paged_block_attention
 from jetflow_sglang.head import JetFlowHead
 from jetflow_sglang.oracle import OracleDrafter
+from jetflow_sglang.tree import Candidates
 
 from .draft_graphs import DraftGraphRunner
 
@@ -49,16 +50,19 @@ class Proposer(Protocol):
     def write_context(self, features: Tensor, slots: Tensor, positions: Tensor) -> None:
         """Committed tokens' fused target features [n, F] at KV slots [n] and positions [n]."""
 
-    def propose(self, request: DraftRequest) -> Tensor:
-        """Draft logits [b, block_size - 1, V] for positions seq_len + 1 ...."""
+    def propose(self, request: DraftRequest) -> Candidates:
+        """Per-depth top-k lists for positions seq_len + 1 ...: log-probs [b, block_size - 1, k]
+        float32 and token ids [b, block_size - 1, k] (`tree.top_candidates`)."""
 
 
 class HeadProposer:
     """The JetFlow head; its context K/V live in [layers, slots, kv_heads, head_dim] buffers."""
 
-    def __init__(self, head: JetFlowHead, req_to_token: Tensor, num_slots: int, device: torch.device | str) -> None:
+    def __init__(self, head: JetFlowHead, req_to_token: Tensor, num_slots: int, device: torch.device | str,
+                 width: int) -> None:  # fmt: skip
+        """width: the tree's top-k per depth (`--speculative-eagle-topk`)."""
         config = head.config
-        self.head = head
+        self.head, self.width = head, width
         self.block_size = config.block_size
         self.req_to_token = req_to_token
         dtype = head.fc.weight.dtype
@@ -93,8 +97,9 @@ class HeadProposer:
         req_pool_indices: Tensor,
         hint_tokens: Optional[Tensor] = None,
         hint_kinds: Optional[Tensor] = None,
-    ) -> Tensor:
-        """Draft logits [b, B-1, V]; the head attends to its context K/V where the target's KV is
+    ) -> Candidates:
+        """Top-`width` draft lists [b, B-1, k] (`JetFlowHead.draft_candidates`: no target-vocabulary
+        logits); the head attends to its context K/V where the target's KV is
         (`req_to_token[row, :seq_len]`), through the paged kernel (no host sync: graph-capturable).
         hint_tokens, hint_kinds [b, B-1]: a hinted head's lookup hints (None, or a plain head: none)."""
         config = self.head.config
@@ -112,14 +117,15 @@ class HeadProposer:
         hints = None
         if self.hint_depth and hint_tokens is not None and hint_kinds is not None:
             hints = (hint_tokens, hint_kinds)
-        return self.head.draft_with(anchors, seq_lens, attend, anchor_context, hints)
+        hidden = self.head.draft_hidden_with(anchors, seq_lens, attend, anchor_context, hints)
+        return self.head.draft_candidates(hidden, self.width)
 
     def use_graphs(self, batch_sizes: Sequence[int], mode: str) -> None:
         """Run the draft pass through `DraftGraphRunner` (mode "graph": CUDA graphs per batch size)."""
         self.runner = DraftGraphRunner(self.draft, batch_sizes, self.keys.device, mode, self.hint_depth)
 
     @torch.inference_mode()
-    def propose(self, request: DraftRequest) -> Tensor:
+    def propose(self, request: DraftRequest) -> Candidates:
         return self.runner.run(request.anchors.long(), request.seq_lens.long(), request.req_pool_indices.long(),
                                request.hint_tokens, request.hint_kinds)  # fmt: skip
 
@@ -146,16 +152,16 @@ class OracleProposer:
     def write_context(self, features: Tensor, slots: Tensor, positions: Tensor) -> None:
         self.fallback.write_context(features, slots, positions)
 
-    def propose(self, request: DraftRequest) -> Tensor:
+    def propose(self, request: DraftRequest) -> Candidates:
         live = set(request.rids)
         for rid in [r for r in self._drafters if r not in live]:
             del self._drafters[rid], self._last_round[rid]
         known = [tuple(p) in self.continuations for p in request.prompts]
-        logits = self.fallback.propose(request) if not all(known) else None
+        head_top = self.fallback.propose(request) if not all(known) else None
         rows = []
         for i, rid in enumerate(request.rids):
             if not known[i]:
-                rows.append(logits[i : i + 1])
+                rows.append((head_top[0][i : i + 1], head_top[1][i : i + 1]))
                 continue
             drafter = self._drafters.get(rid)
             position = int(request.seq_lens[i])
@@ -169,5 +175,6 @@ class OracleProposer:
             else:
                 drafter.advance_to(position, rounds=request.round_index - self._last_round[rid])
             self._last_round[rid] = request.round_index
-            rows.append(drafter.propose(request.anchors[i : i + 1], position).to(request.anchors.device))
-        return torch.cat([r.float() for r in rows], 0)
+            logprobs, tokens = drafter.propose_topk(request.anchors[i : i + 1], position, self.width)
+            rows.append((logprobs.to(request.anchors.device), tokens.to(request.anchors.device)))
+        return torch.cat([r[0] for r in rows], 0), torch.cat([r[1] for r in rows], 0)

@@ -9,7 +9,8 @@ own buffers, indexed by the target's KV slot ids (radix-cache hits reuse them).
   K/V at the slots and positions the target just wrote.
 * Decode: ``batch.seq_lens`` committed tokens have KV; the anchor (the pending
   bonus token, ``spec_info.bonus_tokens``) sits at position ``seq_len``. One draft
-  pass (a hinted head also reads its lookup hints, :mod:`.hints`) -> best-first tree ->
+  pass (a hinted head also reads its lookup hints, :mod:`.hints`) giving each depth's top-k
+  over the draft vocabulary (no target-vocabulary logits) -> best-first tree ->
   one TARGET_VERIFY forward with the FULL_MASK tree mask
   (graph-captured on GPUs, :mod:`.verify_input`) -> tree walk over logits penalized and
   cut as SGLang's sampler would (greedy, or the target's own sampling at each path node:
@@ -55,6 +56,7 @@ from .lookup_branch import LookupBranch, lookup_enabled, lookup_mode
 from .node_acceptance import accept_round
 from .proposer import DraftRequest, HeadProposer, OracleProposer, Proposer
 from .request_support import request_error
+from .threads import ONE_THREAD_BATCH, one_thread, torch_threads
 from .tree_penalties import any_penalized
 from .verify_input import verify_input
 
@@ -107,6 +109,7 @@ class JetFlowWorker(BaseSpecWorker):
         self.feature_dump = FeatureDump.from_env()  # tests: captured taps against HF's
         self.timings: dict[str, float] = defaultdict(float)
         self.rounds = 0
+        self.threads = torch.get_num_threads()
 
     # -- what the scheduler reads -----------------------------------------------------
     @property
@@ -128,7 +131,7 @@ class JetFlowWorker(BaseSpecWorker):
         self.req_to_token_pool, self.token_to_kv_pool_allocator = self._target_worker.get_memory_pool()
         kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
         num_slots = int(kv_pool.size) + int(kv_pool.page_size) + 1
-        self.head_proposer = HeadProposer(self.head, self.req_to_token_pool.req_to_token, num_slots, self.device)
+        self.head_proposer = HeadProposer(self.head, self.req_to_token_pool.req_to_token, num_slots, self.device, self.width)
         self.proposer = self.head_proposer
         logger.info("JETFLOW: %s", self.buffer_report(num_slots))
         oracle = os.environ.get(ORACLE_ENV)
@@ -249,9 +252,8 @@ class JetFlowWorker(BaseSpecWorker):
         if head_drafts:
             if hints is not None:
                 request.hint_tokens, request.hint_kinds = hints.tensors(self.device)
-            logits = self.proposer.propose(request)
+            topk_logprobs, topk_tokens = self.proposer.propose(request)
             t = self._tick("draft", t)
-            topk_logprobs, topk_tokens = logits.float().log_softmax(-1).topk(min(self.width, logits.shape[-1]), dim=-1)
             tree = build_tree_from_topk(request.anchors, topk_logprobs, topk_tokens, self.budget)
             if chains is not None:
                 tree = self.lookup.merge(tree, chains)
@@ -264,8 +266,14 @@ class JetFlowWorker(BaseSpecWorker):
         size, priority = self.budget_policy.choose(tree)
         return prune_tree(tree, size, priority), skipped, t
 
-    @torch.inference_mode()
     def _decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
+        """A round; a small one on CPU runs all but its verify on one thread (`.threads`)."""
+        small = torch.device(self.device).type == "cpu" and len(batch.reqs) <= ONE_THREAD_BATCH
+        with one_thread(small):
+            return self._round(batch, on_publish)
+
+    @torch.inference_mode()
+    def _round(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
         t = round_start = self.budget_policy.clock()
         bs = len(batch.reqs)
         seq_lens = batch.seq_lens.to(torch.int64)
@@ -280,6 +288,7 @@ class JetFlowWorker(BaseSpecWorker):
         )
         self.committed_ids.keep_only(batch.reqs)
         chains, hints = self.lookups(batch.reqs, seq_lens, anchors, self.committed_ids)
+        t = self._tick("lookup", t)
         # Adaptive: where the head's draft pass has not paid lately, rounds go without it.
         head_drafts = not self.lookup_only and not self.budget_policy.skip_draft(bs, any(chains or ()))
         tree, skipped_chains, t = self._draft_tree(request, chains, hints, head_drafts, t)
@@ -295,7 +304,8 @@ class JetFlowWorker(BaseSpecWorker):
         batch.spec_info = spec_input
         verify_start = self.budget_policy.clock()
         verify_batch, _ = eagle_prepare_for_verify(spec_input, self.req_to_token_pool, batch, self.target_worker)
-        target = self.target_worker.forward_batch_generation(batch=None, forward_batch=verify_batch, is_verify=True)
+        with torch_threads(self.threads):  # the verify on every thread
+            target = self.target_worker.forward_batch_generation(batch=None, forward_batch=verify_batch, is_verify=True)
         logits_output: LogitsProcessorOutput = target.logits_output
         t = self._tick("verify", t)
 
