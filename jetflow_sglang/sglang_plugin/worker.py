@@ -56,7 +56,6 @@ from .lookup_branch import LookupBranch, lookup_enabled, lookup_mode
 from .node_acceptance import accept_round
 from .proposer import DraftRequest, HeadProposer, OracleProposer, Proposer
 from .request_support import request_error
-from .threads import ONE_THREAD_BATCH, one_thread, torch_threads
 from .tree_penalties import any_penalized
 from .verify_input import verify_input
 
@@ -109,7 +108,6 @@ class JetFlowWorker(BaseSpecWorker):
         self.feature_dump = FeatureDump.from_env()  # tests: captured taps against HF's
         self.timings: dict[str, float] = defaultdict(float)
         self.rounds = 0
-        self.threads = torch.get_num_threads()
 
     # -- what the scheduler reads -----------------------------------------------------
     @property
@@ -266,14 +264,8 @@ class JetFlowWorker(BaseSpecWorker):
         size, priority = self.budget_policy.choose(tree)
         return prune_tree(tree, size, priority), skipped, t
 
-    def _decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
-        """A round; a small one on CPU runs all but its verify on one thread (`.threads`)."""
-        small = torch.device(self.device).type == "cpu" and len(batch.reqs) <= ONE_THREAD_BATCH
-        with one_thread(small):
-            return self._round(batch, on_publish)
-
     @torch.inference_mode()
-    def _round(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
+    def _decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
         t = round_start = self.budget_policy.clock()
         bs = len(batch.reqs)
         seq_lens = batch.seq_lens.to(torch.int64)
@@ -304,8 +296,7 @@ class JetFlowWorker(BaseSpecWorker):
         batch.spec_info = spec_input
         verify_start = self.budget_policy.clock()
         verify_batch, _ = eagle_prepare_for_verify(spec_input, self.req_to_token_pool, batch, self.target_worker)
-        with torch_threads(self.threads):  # the verify on every thread
-            target = self.target_worker.forward_batch_generation(batch=None, forward_batch=verify_batch, is_verify=True)
+        target = self.target_worker.forward_batch_generation(batch=None, forward_batch=verify_batch, is_verify=True)
         logits_output: LogitsProcessorOutput = target.logits_output
         t = self._tick("verify", t)
 
