@@ -56,6 +56,10 @@ POLICIES = ("static", "adaptive", "sweep")  # sweep: every ladder size in turn (
 DEFAULT_POLICY = "adaptive"  # the budget given is the cap; JETFLOW_BUDGET=static verifies it every round
 BUDGET_ENV = "JETFLOW_BUDGET"
 COST_TABLE_ENV = "JETFLOW_COST_TABLE"
+# Default cap on requests x tree size per verify batch: SGLang sizes its verify CUDA graphs and their
+# logits buffer (rows x vocab x 4 bytes, 1.2 GB for a 152k vocab) from max batch x budget; the
+# adaptive policy keeps every round's batch x size under it.
+VERIFY_TOKENS_PER_BATCH = 2048
 # Calibration bins over a node's path log-prob (upper edges; the last bin ends at 0).
 SCORE_EDGES = (-9.0, -7.0, -6.0, -5.0, -4.0, -3.5, -3.0, -2.5, -2.0, -1.6, -1.2, -0.9, -0.6, -0.3, 0.0)
 PRIOR_NODES = 8.0  # pseudo-observations at the level above, per bin or cell
@@ -402,7 +406,7 @@ class BudgetPolicy:
 
     def _best_size(self, tree: DraftTree, probs: Tensor) -> int:
         batch = tree.tokens.shape[0]
-        candidates = [n for n in self.ladder if n <= tree.budget]
+        candidates = [n for n in self.ladder if n <= tree.budget and (n == 1 or batch * n <= VERIFY_TOKENS_PER_BATCH)]
         if len(self.cost.verify.trusted()) < 2:  # too little to extrapolate from: measure, smallest first
             for n in candidates:
                 if not self.cost.known(batch, n):

@@ -137,6 +137,17 @@ def test_hopeless_draft_verifies_the_root_only():
     assert policy.choose(chain_tree(1, 15, 0.001, 16))[0] == 1
 
 
+def test_a_round_never_verifies_more_than_the_verify_token_cap():
+    """Even where the costs say the cap pays, batch x size stays within VERIFY_TOKENS_PER_BATCH
+    (the CPU platform's adaptive server runs SGLang's own batch cap, not cap / budget)."""
+    from jetflow_sglang.budget import VERIFY_TOKENS_PER_BATCH
+
+    policy = _policy_with_costs(64, seconds_per_token=1e-9, fixed=0.02)  # verify cost flat: bigger always pays
+    assert policy.choose(chain_tree(1, 15, 0.95, 64))[0] == 64
+    assert policy.choose(chain_tree(40, 15, 0.95, 64))[0] == 32  # 40 x 64 > 2048 >= 40 x 32
+    assert 40 * 32 <= VERIFY_TOKENS_PER_BATCH < 40 * 64
+
+
 def test_size_shrinks_as_the_batch_grows():
     """Same draft, verify cost linear in bs * n: a big batch can afford fewer nodes each."""
     policy = _policy_with_costs(16, seconds_per_token=1e-3, fixed=0.02)

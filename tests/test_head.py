@@ -274,3 +274,45 @@ def test_draft_candidates_are_the_full_vocabulary_top_k(pruned):
     if pruned:
         assert set(tokens.flatten().tolist()) <= set(head.draft_vocab.tolist())
         assert head.draft_candidates(hidden, width=64)[1].shape[-1] == 20  # never more than the draft vocabulary
+
+
+def test_cpu_packed_linears_give_the_same_draft_and_state():
+    """`pack_for_cpu` (bf16 on CPU: oneDNN-layout weights) changes no output and no saved weight;
+    an fp32 head is left as it is."""
+    from torch import nn
+
+    from jetflow_sglang.cpu_linear import PackedLinear, can_pack, pack_linears
+
+    if not can_pack(torch.zeros(1, dtype=torch.bfloat16)):
+        pytest.skip("this torch has no oneDNN linear ops")  # every CPU wheel of torch has them
+    gen = torch.Generator().manual_seed(3)
+    linear = nn.Linear(48, 40, bias=False).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    for shape in [(1, 48), (16, 48), (3, 16, 48), (2, 5, 48)]:
+        x = torch.randn(*shape, generator=gen).to(torch.bfloat16)
+        assert torch.equal(packed(x), linear(x)), shape
+    head = small_head(seed=4, draft_vocab_size=20, **FUSED)
+    head.set_draft_vocab(torch.arange(30, 50))
+    assert pack_linears(small_head(seed=4)) == 0  # fp32: nothing to pack
+    head = head.to(torch.bfloat16)
+    plain = small_head(seed=4, draft_vocab_size=20, **FUSED)
+    plain.set_draft_vocab(torch.arange(30, 50))
+    plain = plain.to(torch.bfloat16)
+    head.bind_target(plain._target_embedding.to(torch.bfloat16), plain._target_lm_head.to(torch.bfloat16))
+    plain.bind_target(plain._target_embedding.to(torch.bfloat16), plain._target_lm_head.to(torch.bfloat16))
+    state = {k: v.clone() for k, v in head.state_dict().items()}
+    head.pack_for_cpu()
+    assert sum(isinstance(m, PackedLinear) for m in head.modules()) == 2 * 7 + 2  # layers, fc, anchor_fuse
+    assert head._packed_lm_head is not None
+    assert head.state_dict().keys() == state.keys() and all(torch.equal(head.state_dict()[k], v) for k, v in state.items())
+    features = torch.randn(1, 9, 3 * 32, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        for h in (head, plain):
+            h.eval()
+        context = [plain.context_kv(features, torch.arange(9)[None]), head.context_kv(features, torch.arange(9)[None])]
+        for (k0, v0), (k1, v1) in zip(*context):
+            assert torch.equal(k0, k1) and torch.equal(v0, v1)
+        last = plain.project_features(features[:, -1])
+        want = plain.draft_candidates(plain.draft_hidden(torch.tensor([3]), torch.tensor([9]), context[0], anchor_context=last), 5)
+        got = head.draft_candidates(head.draft_hidden(torch.tensor([3]), torch.tensor([9]), context[1], anchor_context=last), 5)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])

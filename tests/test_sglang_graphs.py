@@ -104,8 +104,13 @@ def test_capture_and_warmup_verify_inputs_carry_the_tree_mask(assets, budget):
 
 
 @pytest.mark.parametrize("budget, given, expected", [(16, None, 128), (64, None, 32), (256, None, 8), (512, None, 4), (256, 3, 3)])
-def test_batch_cap_bounds_verify_tokens(assets, budget, given, expected):
+def test_batch_cap_bounds_verify_tokens(assets, budget, given, expected, monkeypatch):
+    """A static budget (and every budget under verify graphs) caps the running requests at
+    VERIFY_TOKENS_PER_BATCH // budget unless the user gives a cap; the CPU platform's adaptive
+    budget leaves SGLang's own cap and bounds each round's tree instead (tests/test_budget.py)."""
     from sglang.srt import runtime_context
+
+    monkeypatch.setenv("JETFLOW_BUDGET", "static")
 
     from jetflow_sglang.sglang_plugin.spec_algo import VERIFY_TOKENS_PER_BATCH
 
@@ -114,6 +119,9 @@ def test_batch_cap_bounds_verify_tokens(assets, budget, given, expected):
         assert runtime_context.get_schedule().max_running_requests == expected
     if given is None:
         assert expected * budget <= VERIFY_TOKENS_PER_BATCH
+        monkeypatch.delenv("JETFLOW_BUDGET")  # adaptive, the default, on this CPU platform
+        with runtime_context.use_context(_context(assets, budget, **extra)):
+            assert runtime_context.get_schedule().max_running_requests != expected
 
 
 def test_round_verify_input_matches_the_capture_form(sglang_with_plugins):

@@ -15,7 +15,10 @@ Flags are SGLang's own: ``--speculative-draft-model-path`` (the head directory),
 SGLang's ``--speculative-adaptive`` is accepted and asks for the default. The head's config.json
 carries the block size and the target tap layers. Unless ``--max-running-requests`` is
 given, it becomes ``VERIFY_TOKENS_PER_BATCH // budget`` (128 at budget 16, 8 at 256), so the
-verify graphs and buffers stay the same size whatever the budget. The attention backend must
+verify graphs and buffers stay the same size whatever the budget; except for the adaptive budget
+on the CPU platform (no verify graphs), which keeps SGLang's own batch cap and bounds each
+round's tree instead (batch x size <= ``VERIFY_TOKENS_PER_BATCH``): at 64 clients a cap of 32
+running requests held it to 0.66x the target alone. The attention backend must
 apply the tree mask in TARGET_VERIFY (``TREE_MASK_BACKENDS``); FlashInfer is the GPU default.
 """
 
@@ -28,13 +31,12 @@ from typing import Optional
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
+from jetflow_sglang.budget import VERIFY_TOKENS_PER_BATCH
+
 from . import ALGORITHM
 
 DEFAULT_BUDGET = 64
 DEFAULT_WIDTH = 7
-# Default cap on requests x budget per verify batch: SGLang sizes its verify CUDA graphs and their
-# logits buffer (rows x vocab x 4 bytes, 1.2 GB for a 152k vocab) from max batch x budget.
-VERIFY_TOKENS_PER_BATCH = 2048
 # Attention backends whose TARGET_VERIFY applies spec_info.custom_mask to any tree (others, e.g.
 # trtllm_mha or torch_native, would verify a causal chain and lose losslessness).
 TREE_MASK_BACKENDS = ("flashinfer", "triton", "jetflow_cpu")
@@ -123,8 +125,8 @@ def validate_server_args(server_args) -> None:
         server_args.speculative_num_steps = depths
     _check_deterministic_inference(server_args)  # before the backends, whose refusal would not say why
     _check_attention_backends(server_args)
-    _resolve_budget_policy(server_args)
-    if server_args.max_running_requests is None:
+    policy = _resolve_budget_policy(server_args)
+    if server_args.max_running_requests is None and not (policy == "adaptive" and _on_cpu_platform(server_args)):
         server_args.max_running_requests = max(1, VERIFY_TOKENS_PER_BATCH // int(budget))
     if getattr(server_args, "pp_size", 1) > 1:
         _fail("pipeline parallelism is not supported")
@@ -134,7 +136,7 @@ def validate_server_args(server_args) -> None:
         _fail("prefill/decode disaggregation is not supported")
 
 
-def _resolve_budget_policy(server_args) -> None:
+def _resolve_budget_policy(server_args) -> str:
     """The tree budget policy the scheduler processes will read from ``JETFLOW_BUDGET`` (the
     launcher's environment passes on): adaptive unless it says static (or sweep, for
     ``benchmarks/verify_cost.py``). ``--speculative-adaptive`` (SGLang's flag; its own adaptive
@@ -161,6 +163,7 @@ def _resolve_budget_policy(server_args) -> None:
             CostTable.load(table, server_args.dtype, host)
         except ValueError as exc:
             _fail(str(exc))
+    return policy
 
 
 def _on_cpu_platform(server_args) -> bool:

@@ -86,7 +86,7 @@ class JetFlowWorker(BaseSpecWorker):
         head = head.to(self.device).eval().requires_grad_(False)
         embedding = model.model.embed_tokens.weight[: self.vocab_size]
         lm_head = model.lm_head.weight[: self.vocab_size]
-        self.head = head.bind_target(embedding, lm_head)
+        self.head = head.bind_target(embedding, lm_head).pack_for_cpu()  # bf16 on CPU: oneDNN-layout weights
         self.block_size = head.config.block_size
         self.depths = self.block_size - 1
         # Before the target's attention backends and graphs are set up (scheduler order).
