@@ -73,23 +73,25 @@ class HeadDrafter:
             v_buf[:, :, self.length : self.length + n] = v
         self.length += n
 
+    def _context(self) -> list[tuple[Tensor, Tensor]]:
+        return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self._keys, self._values)]
+
+    def _draft_hidden(self, anchor: Tensor, position: int, hints: Hints | None) -> Tensor:
+        positions = torch.tensor([position], device=anchor.device)
+        return self.head.draft_hidden(anchor, positions, self._context(), anchor_context=self._last_projected, hints=hints)
+
     @torch.inference_mode()
     def propose(self, anchor: Tensor, position: int, hints: Hints | None = None) -> Tensor:
-        context = [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self._keys, self._values)]
-        positions = torch.tensor([position], device=anchor.device)
-        return self.head.draft(anchor, positions, context, anchor_context=self._last_projected, hints=hints)
+        return self.head.logits(self._draft_hidden(anchor, position, hints))
 
     @torch.inference_mode()
     def propose_topk(self, anchor: Tensor, position: int, width: int, hints: Hints | None = None) -> Candidates:
         """The top-`width` lists over the draft vocabulary (`JetFlowHead.draft_candidates`): what the
         SGLang worker's proposer computes, so both engines build the same trees."""
-        context = [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self._keys, self._values)]
-        positions = torch.tensor([position], device=anchor.device)
-        hidden = self.head.draft_hidden(anchor, positions, context, anchor_context=self._last_projected, hints=hints)
-        return self.head.draft_candidates(hidden, width)
+        return self.head.draft_candidates(self._draft_hidden(anchor, position, hints), width)
 
     @torch.inference_mode()
     def refresh(self, tree: DraftTree, position: int) -> Tensor:
         """Logits [1, N, V] of the token after each tree node, given the path to it (optional drafter method)."""
-        context = [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self._keys, self._values)]
-        return self.head.refresh(tree.tokens, tree.depths + position, tree.ancestors, context, anchor_context=self._last_projected)
+        return self.head.refresh(tree.tokens, tree.depths + position, tree.ancestors, self._context(),
+                                 anchor_context=self._last_projected)  # fmt: skip
