@@ -14,6 +14,8 @@ JETFLOW server with the no-spec one:
   `choices`; OpenAI `response_format` with a JSON schema;
 * `python -m sglang.bench_serving` on the repaired ShareGPT file: no failures, an
   accept length reported.
+
+The JETFLOW server runs with SGLang's strict KV accounting checks (`STRICT_KV_CHECKS`) throughout.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ ORACLE_PROMPTS = [
 ORACLE_TOKENS = 48
 LONG_PROMPT_CHARS = (300, 1500)
 NUM_LONG_PROMPTS = 4
+# SGLang's own KV accounting checks, strict: a leak or a page freed twice found while idle raises,
+# the pool is checked after every busy step, and every request's committed KV must lie within its
+# allocation. A failed check stops the scheduler, so every test after it fails.
+STRICT_KV_CHECKS = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",
+                    "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1"}  # fmt: skip
+KV_CHECK_FAILURES = ("memory leak", "Mem Leak", "double free", "use-after-free")
 
 
 @pytest.fixture(scope="module")
@@ -120,12 +128,13 @@ def servers(assets, oracle_cases, tmp_path_factory):
         oracle_file.write_text(json.dumps([[ids, out["output_ids"]] for ids, out in zip(oracle_cases, long)]))
         dump_dir = work / "features"
         dump_dir.mkdir()
-        env = {"JETFLOW_TEST_ORACLE": str(oracle_file), "JETFLOW_TEST_DUMP_FEATURES": str(dump_dir)}
+        env = {"JETFLOW_TEST_ORACLE": str(oracle_file), "JETFLOW_TEST_DUMP_FEATURES": str(dump_dir), **STRICT_KV_CHECKS}
         # fp32 (its default is bf16 where native): ids and captured taps are compared exactly. A static
         # budget (its default is adaptive): the oracle's long paths are verified every round.
         serve_proc, info = _start_jetflow_serve(work / "jetflow.log", env, "--budget", str(BUDGET), "--no-adaptive",
                                                 "--dtype", "float32", *chunk)  # fmt: skip
-        yield {"plain": plain.url, "jetflow": info["url"], "dump_dir": dump_dir, "serve_proc": serve_proc, "info": info}
+        yield {"plain": plain.url, "jetflow": info["url"], "dump_dir": dump_dir, "serve_proc": serve_proc, "info": info,
+               "jetflow_log": work / "jetflow.log"}  # fmt: skip
     finally:
         plain.stop()
         if serve_proc is not None:
@@ -304,9 +313,11 @@ def test_abort_frees_the_request_and_the_server_keeps_serving(servers, long_case
     assert not worker.is_alive()
     assert result["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(result["output_ids"]) < 4000
-    # Both requests are gone: their KV slots were freed (SGLang checks for leaks when idle),
-    # and the server still decodes correctly at batch > 1.
+    # Both requests are gone: their KV slots were freed (SGLang's strict checks ran while idle,
+    # and after every busy step), and the server still decodes correctly at batch > 1.
     time.sleep(2)
+    log = servers["jetflow_log"].read_text(errors="replace")
+    assert not [line for line in log.splitlines() if any(f in line for f in KV_CHECK_FAILURES)]
     want = [_generate(servers["plain"], ids, 24)["output_ids"] for ids in oracle_cases]
     with ThreadPoolExecutor(len(oracle_cases)) as pool:
         got = [o["output_ids"] for o in pool.map(lambda ids: _generate(url, ids, 24), oracle_cases)]
