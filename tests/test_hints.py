@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from jetflow_sglang.drafter import HeadDrafter
-from jetflow_sglang.engine import ReferenceEngine, generate_ar
+from jetflow_sglang.reference.proposer import HeadProposer
+from jetflow_sglang.reference.engine import ReferenceEngine, generate_ar
 from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.head import JetFlowHead
 from jetflow_sglang.lookup import hint_kind, lookup_draft, lookup_hint, lookup_hints_batched, lookup_match_length
@@ -175,7 +175,7 @@ def test_reference_engine_with_a_live_hinted_head_is_lossless_and_passes_the_hin
 
     shipped = load_head("default", Path(prepared["target"])).float().bind_target(target.embedding, target.lm_head)
     head = hinted_copy(plain_copy(shipped), live=True)
-    drafter = HeadDrafter(head)
+    drafter = HeadProposer(head)
     seen = []
     propose_topk = drafter.propose_topk
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jetflow_sglang.oracle import OracleDrafter
+from jetflow_sglang.testing.oracle import OracleProposer
 
 VOCAB, BLOCK = 64, 16
 ROUNDS = 3000
 
 
-def accepted_chain(drafter: OracleDrafter, continuation: list[int], position: int) -> int:
+def accepted_chain(drafter: OracleProposer, continuation: list[int], position: int) -> int:
     """Leading depths whose argmax is the true token (what a chain verify would accept)."""
     drafter.length = position
     picks = drafter.propose(torch.tensor([continuation[position]]), position)[0].argmax(-1).tolist()
@@ -30,7 +30,7 @@ def accepted_chain(drafter: OracleDrafter, continuation: list[int], position: in
 def test_accepted_length_is_geometric_in_p(p):
     gen = torch.Generator().manual_seed(0)
     continuation = torch.randint(VOCAB, (ROUNDS + 2 * BLOCK,), generator=gen).tolist()
-    drafter = OracleDrafter(continuation, VOCAB, block_size=BLOCK, seed=1, accept_prob=p)
+    drafter = OracleProposer(continuation, VOCAB, block_size=BLOCK, seed=1, accept_prob=p)
     lengths = torch.tensor([accepted_chain(drafter, continuation, i) for i in range(ROUNDS)], dtype=torch.float64)
     depths = BLOCK - 1
     for d in (1, 2, 4, 8):
@@ -42,14 +42,14 @@ def test_accepted_length_is_geometric_in_p(p):
 
 def test_accept_prob_outside_zero_one_is_refused():
     with pytest.raises(ValueError, match="accept_prob"):
-        OracleDrafter([1, 2, 3], VOCAB, accept_prob=1.5)
+        OracleProposer([1, 2, 3], VOCAB, accept_prob=1.5)
 
 
 def test_server_positions_must_advance_by_what_the_rounds_since_could_commit():
     """`advance_to` (the SGLang proposer's check): one verify round commits 1..BLOCK tokens, and
     an adaptive server may run rounds without a draft pass in between, so after r rounds the
     position moves 1..r*BLOCK; standing still, going back or jumping further is out of step."""
-    drafter = OracleDrafter(list(range(200)), VOCAB, block_size=BLOCK)
+    drafter = OracleProposer(list(range(200)), VOCAB, block_size=BLOCK)
     drafter.length = 10
     drafter.advance_to(10 + BLOCK)
     drafter.advance_to(26 + 2 * BLOCK, rounds=2)  # a round without the draft pass in between

@@ -8,7 +8,7 @@ Runs in every SGLang process (``sglang.srt.plugins.load_plugins``):
 * wraps ``sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func``
   (a Triton kernel with an ``sgl_kernel`` CPU twin, used by speculative decode
   allocation) so that, only while the ``jetflow_cpu`` platform is active, it
-  runs the torch version in :mod:`.spec_ops`.  Elsewhere it calls the original;
+  runs the torch version in :mod:`.cpu.spec_ops`.  Elsewhere it calls the original;
 * wraps ``MHATokenToKVPool._init_kv_copy_and_warmup`` (SGLang builds the KV pool
   with the Triton slot-copy kernel and warms it up whenever a speculative
   algorithm is set) so that on ``jetflow_cpu`` it is skipped: the platform sets
@@ -40,7 +40,8 @@ Runs in every SGLang process (``sglang.srt.plugins.load_plugins``):
 
 from __future__ import annotations
 
-from . import ALGORITHM, attention, spec_algo, verify_input
+from . import ALGORITHM, spec_algo, verify_input
+from .cpu import attention
 from .request_support import request_error
 
 ASSIGN_REQ_TO_TOKEN = "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func"
@@ -55,14 +56,14 @@ ALLOC_LEN_PER_DECODE = "sglang.srt.mem_cache.allocation_sizing.get_alloc_len_per
 def _on_jetflow_cpu() -> bool:
     from sglang.srt.platforms import current_platform
 
-    from .platform import JetflowCpuPlatform
+    from .cpu.platform import JetflowCpuPlatform
 
     return isinstance(current_platform, JetflowCpuPlatform)
 
 
 def _assign_req_to_token_pool_around(original, *args, **kwargs):
     if _on_jetflow_cpu():
-        from .spec_ops import assign_req_to_token_pool
+        from .cpu.spec_ops import assign_req_to_token_pool
 
         return assign_req_to_token_pool(*args, **kwargs)
     return original(*args, **kwargs)
