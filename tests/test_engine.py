@@ -8,9 +8,9 @@ import torch
 
 from conftest import hf_greedy
 from jetflow_sglang.accept import accept_tree
-from jetflow_sglang.reference.proposer import HeadProposer
-from jetflow_sglang.reference.engine import ReferenceEngine, generate_ar
 from jetflow_sglang.errors import JetFlowError
+from jetflow_sglang.reference.engine import ReferenceEngine, generate_ar
+from jetflow_sglang.reference.proposer import HeadProposer
 from jetflow_sglang.testing.oracle import OracleProposer
 from jetflow_sglang.tree import build_tree
 

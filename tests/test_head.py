@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jetflow_sglang.reference.proposer import HeadProposer
 from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.head import JetFlowConfig, JetFlowHead, default_tap_layers
+from jetflow_sglang.reference.proposer import HeadProposer
 
 
 def small_head(causal: bool = True, seed: int = 0, **overrides) -> JetFlowHead:

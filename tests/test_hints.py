@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from jetflow_sglang.reference.proposer import HeadProposer
-from jetflow_sglang.reference.engine import ReferenceEngine, generate_ar
 from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.head import JetFlowHead
 from jetflow_sglang.lookup import hint_kind, lookup_draft, lookup_hint, lookup_hints_batched, lookup_match_length
+from jetflow_sglang.reference.engine import ReferenceEngine, generate_ar
+from jetflow_sglang.reference.proposer import HeadProposer
 from jetflow_sglang.training.blocks import head_forward_sequences
 from jetflow_sglang.training.train import load_init_head, start_from
 from jetflow_sglang.training.validate import ValidationSet

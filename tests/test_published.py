@@ -230,8 +230,8 @@ def test_qwen3_target_with_a_published_head_is_lossless(prepared, tmp_path):
 
     from jetflow_sglang import server as sglang_server
     from jetflow_sglang.assets import load_target_and_head
-    from jetflow_sglang.reference.proposer import HeadProposer
     from jetflow_sglang.reference.engine import ReferenceEngine
+    from jetflow_sglang.reference.proposer import HeadProposer
 
     target = str(tiny_qwen3_target(prepared["target"], tmp_path / "qwen3"))
     config = JetFlowConfig.for_target(AutoConfig.from_pretrained(target), target_layer_ids=[0, 2], qk_norm=True,

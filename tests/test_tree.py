@@ -16,6 +16,7 @@ from jetflow_sglang.tree import (
     MAX_BUDGET,
     DraftTree,
     ancestor_mask,
+    budget_error,
     build_tree,
     chain_depth_scores,
     full_mask,
@@ -409,6 +410,24 @@ def test_budget_beyond_tree_capacity(depths, width):
     build_tree(torch.tensor([0]), logprobs, capacity, width)  # fits exactly
     with pytest.raises(ValueError):
         build_tree(torch.tensor([0]), logprobs, capacity + 1, width)
+
+
+def test_one_budget_check_with_one_message():
+    """The tree builders (reference and kernel) and the reference engine all refuse a budget with
+    `budget_error`'s message."""
+    from jetflow_kernels import build_tree_from_topk
+
+    assert budget_error(0) == f"tree budget must be between 1 and {MAX_BUDGET}, got 0"
+    assert budget_error(16, 15, 7) is None and budget_error(13, 2, 3) is None
+    too_big = budget_error(14, 2, 3)
+    assert too_big == "tree budget 14 exceeds the 13 nodes that 2 draft depths of width 3 can hold"
+    logprobs = make_logprobs(0, 1, 2, 8, "continuous")
+    with pytest.raises(ValueError, match=too_big):
+        build_tree(torch.tensor([0]), logprobs, 14, width=3)
+    with pytest.raises(ValueError, match=too_big):
+        build_tree_from_topk(torch.tensor([0]), *logprobs.topk(3, dim=-1), 14)
+    with pytest.raises(ValueError, match=budget_error(0)):
+        build_tree(torch.tensor([0]), logprobs, 0, width=3)
 
 
 def test_max_tree_nodes_caps_above_max_budget():

@@ -17,11 +17,11 @@ from typing import Callable
 import torch
 
 from jetflow_sglang.accept import Acceptance, accept_tree, target_picks
-from jetflow_sglang.reference.proposer import Proposer
 from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.lookup import CHAIN_SCORES, lookup_draft, lookup_hint
+from jetflow_sglang.reference.proposer import Proposer
 from jetflow_sglang.reference.target import Target, compact_cache
-from jetflow_sglang.tree import (DraftTree, build_tree_from_topk, chain_tree, check_budget, max_tree_nodes, merge_chain,
+from jetflow_sglang.tree import (DraftTree, budget_error, build_tree_from_topk, chain_tree, merge_chain,
                                  refreshed_tree, top_candidates)
 
 
@@ -121,16 +121,9 @@ class ReferenceEngine:
         (tree.merge_chain), its depth-d node scored lookup_scores[d-1], within the same budget.
         head=False (with lookup): verify the lookup chain alone each round, no head pass (the
         training-free baseline)."""
-        try:
-            check_budget(budget)
-        except ValueError as exc:
-            raise JetFlowError(str(exc)) from None
-        depths = proposer.block_size - 1
-        if budget > max_tree_nodes(depths, width):
-            raise JetFlowError(
-                f"budget {budget} exceeds the {max_tree_nodes(depths, width)} nodes a block of "
-                f"{proposer.block_size} and width {width} can draft"
-            )
+        error = budget_error(budget, proposer.block_size - 1, width)
+        if error is not None:
+            raise JetFlowError(error)
         if refresh and not hasattr(proposer, "refresh"):
             raise JetFlowError(f"{type(proposer).__name__} has no path-conditioned refresh pass")
         self.target, self.proposer, self.budget, self.width = target, proposer, budget, width

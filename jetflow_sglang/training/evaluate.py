@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from jetflow_sglang.prompts import Prompt, load_prompts
-from jetflow_sglang.reference.proposer import HeadProposer
-from jetflow_sglang.reference.engine import ReferenceEngine, generate_ar
 from jetflow_sglang.errors import JetFlowError
+from jetflow_sglang.prompts import Prompt, load_prompts
+from jetflow_sglang.reference.engine import ReferenceEngine, generate_ar
+from jetflow_sglang.reference.proposer import HeadProposer
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,9 @@ class GateSlice:
 def measure(target, head, slice_: GateSlice = GateSlice()) -> dict:
     """τ of head + lookup branch and of the lookup alone on the slice (greedy, as loaded: use fp32);
     `identical`: both matched plain decoding token for token."""
-    from jetflow_sglang.reference.proposer import HeadProposer
-    from jetflow_sglang.reference.engine import ReferenceEngine, generate_ar
     from jetflow_sglang.prompts import load_prompts
+    from jetflow_sglang.reference.engine import ReferenceEngine, generate_ar
+    from jetflow_sglang.reference.proposer import HeadProposer
 
     engines = {
         "tau": ReferenceEngine(target, HeadProposer(head), budget=slice_.budget, lookup=True),
