@@ -22,10 +22,12 @@ Runs in every SGLang process (``sglang.srt.plugins.load_plugins``):
 * wraps the scheduler's request check ``validate_input_length`` (the one place
   every generate request passes before it is queued; SGLang has no request
   validation seam for speculative algorithms) so that, only while JETFLOW is the
-  speculative algorithm, a request asking for what the tree walk does not apply yet
-  (``request_support.request_error``: custom logit processors, hidden states, top logprobs, min_p
-  with a seed) is refused with a 400 and a
-  message saying why, instead of being served differently from the target alone;
+  speculative algorithm, a request the tree walk cannot serve exactly as the target alone
+  would is refused with a 400 and a message saying why (``request_support.request_error``:
+  custom logit processors, hidden states, logprobs of sampled tokens, top logprobs and
+  token-id logprobs, min_p with a seed). Everything else is served, grammars (regex, JSON
+  schema, EBNF) included: penalties, grammars, logit bias, the sampling cut and seeds apply per
+  tree node (:mod:`.node_acceptance`);
 * wraps ``allocation_sizing.get_alloc_len_per_decode`` so that, while JETFLOW is the
   speculative algorithm, a decode step allocates KV for the tree budget per request: a
   JETFLOW round writes target K/V for its verified nodes alone (the head's context K/V live
