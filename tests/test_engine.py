@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy
+from helpers.hf import exact_joint, hf_greedy
+from helpers.stats import joint_fit
 from jetflow_sglang.accept import accept_tree
 from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.reference.engine import ReferenceEngine, generate_ar
@@ -252,20 +253,10 @@ SAMPLED_TOKENS = 3
 SAMPLED_DRAWS = 240
 
 
-def _top2_joint(target, ids: list[int], tokens: int) -> dict[tuple[int, ...], float]:
-    """P(first `tokens` tokens) at temperature 1, top-k 2, by hand from HF's fp32 logits."""
-    joint = {(): 1.0}
-    with torch.inference_mode():
-        for _ in range(tokens):
-            prefixes = list(joint)
-            logits = target.model(torch.tensor([ids + list(p) for p in prefixes])).logits[:, -1].float()
-            top_logits, top_ids = logits.topk(2, dim=-1)
-            joint = {
-                prefix + (token,): joint[prefix] * prob
-                for prefix, row_ids, row_probs in zip(prefixes, top_ids.tolist(), top_logits.softmax(-1).tolist())
-                for token, prob in zip(row_ids, row_probs)
-            }
-    return joint
+def _top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature 1, top-k 2: the two best tokens and their renormalized probabilities."""
+    top_logits, top_ids = logits.topk(2, dim=-1)
+    return top_ids, top_logits.softmax(-1)
 
 
 def test_sampling_through_the_engine_follows_the_target_over_several_tokens(target, prompt_ids, greedy_runs):
@@ -275,13 +266,11 @@ def test_sampling_through_the_engine_follows_the_target_over_several_tokens(targ
     deeper nodes' draws are what is tested."""
     from collections import Counter
 
-    from scipy.stats import chisquare
-
     from jetflow_sglang.reference.engine import Sampling
 
     index = 9  # "Write a haiku about rain.": several likely continuations
     ids, (_, continuation) = prompt_ids[index], greedy_runs[index]
-    joint = _top2_joint(target, ids, SAMPLED_TOKENS)
+    joint = exact_joint(target.model, ids, SAMPLED_TOKENS, _top2)  # by hand from HF's fp32 logits
     drafter = OracleProposer(continuation, target.config.vocab_size, block_size=BLOCK_SIZE, seed=5)
     engine = ReferenceEngine(target, drafter, budget=16)
     draws, accepted = Counter(), 0
@@ -290,12 +279,7 @@ def test_sampling_through_the_engine_follows_the_target_over_several_tokens(targ
         draws[tuple(result.tokens)] += 1
         accepted += sum(result.accept_lengths)
     assert all(outcome in joint for outcome in draws), [o for o in draws if o not in joint]
-    common = [o for o in joint if joint[o] * SAMPLED_DRAWS >= 5]
-    observed = [draws[o] for o in common] + [SAMPLED_DRAWS - sum(draws[o] for o in common)]
-    expected = [joint[o] * SAMPLED_DRAWS for o in common] + [SAMPLED_DRAWS * (1 - sum(joint[o] for o in common))]
-    if expected[-1] < 1e-6:
-        observed, expected = observed[:-1], expected[:-1]
-    p_value = chisquare(observed, expected).pvalue
+    p_value, observed, expected = joint_fit(draws, joint, SAMPLED_DRAWS)
     print(f"engine sampling: observed {observed} expected {[round(e, 1) for e in expected]} p={p_value:.3g}, accepted {accepted}")
     assert p_value > 1e-3, (observed, expected)
     assert accepted >= SAMPLED_DRAWS // 4, accepted

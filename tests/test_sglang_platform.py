@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers.trees import walk_ancestors
 from jetflow_sglang import server as sglang_server
 from sglang.srt.layers.radix_attention import AttentionType
 
@@ -31,13 +32,6 @@ PROMPTS = [
 
 
 # --------------------------------------------------------------------- server
-@pytest.fixture(scope="module")
-def target_dir() -> str:
-    from jetflow_sglang.assets import prepare
-
-    return str(prepare("default")["target"])
-
-
 @pytest.fixture(scope="module")
 def server(target_dir, tmp_path_factory):
     running = sglang_server.start(target_dir, tmp_path_factory.mktemp("sglang") / "server.log")
@@ -164,14 +158,7 @@ def _make_backend(num_slots: int = 256, max_ctx: int = 128):
 
 def _tree(parents: list[int]) -> torch.Tensor:
     """[n, n] ancestor-or-self mask of a tree given parent indices (-1 = root)."""
-    n = len(parents)
-    m = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            m[i, j] = True
-            j = parents[j]
-    return m
+    return torch.from_numpy(walk_ancestors(parents))
 
 
 def _reference(q, k_all, v_all, visible):
