@@ -1,5 +1,5 @@
 """The reference engine is lossless: greedy token ids equal HF transformers' greedy decoding,
-with a random head and with an oracle drafter that makes long accepted paths happen."""
+with a random head and with an oracle proposer that makes long accepted paths happen."""
 
 from __future__ import annotations
 
