@@ -6,7 +6,7 @@ speculative algorithm or none runs on it.
 * :mod:`.attention`: the ``jetflow_cpu`` attention backend, ``torch_native`` plus a tree-masked
   TARGET_VERIFY;
 * :mod:`.spec_ops`: torch versions of SGLang's speculative cache-location kernels;
-* :mod:`.threads`: small CPU ops on one thread.
-
-The general plugin (:mod:`..hooks`) registers the attention backend and the CPU-only wraps.
+* :mod:`.threads`: small CPU ops on one thread;
+* :mod:`.seams`: the attention backend's registration and the two wraps of SGLang's KV-slot code
+  the platform needs, registered by the general plugin (:mod:`..hooks`).
 """
