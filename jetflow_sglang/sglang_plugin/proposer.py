@@ -21,6 +21,7 @@ from jetflow_sglang.tree import Candidates
 
 from .draft_graphs import DraftGraphRunner
 
+
 @dataclass
 class DraftRequest:
     """The batch as a proposer sees it; anchors sit at position seq_lens (not yet in the KV cache)."""
