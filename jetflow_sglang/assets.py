@@ -146,7 +146,7 @@ def default_head_dir(target_dir: Path) -> Path:
 def prepare(target_spec: str = "default") -> dict:
     """`jetflow prepare`: make sure a target and a loadable head exist; report where."""
     target_dir = resolve_target(target_spec)
-    from jetflow_sglang.target import check_model_dir
+    from jetflow_sglang.reference.target import check_model_dir
 
     check_model_dir(target_dir)
     return {"target": str(target_dir), "head": str(default_head_dir(target_dir))}
@@ -158,7 +158,7 @@ def load_head(head_spec: str, target_dir: Path):
     from transformers import AutoConfig
 
     from jetflow_sglang.head import JetFlowHead
-    from jetflow_sglang.target import check_model_dir
+    from jetflow_sglang.reference.target import check_model_dir
 
     check_model_dir(target_dir)
     if head_spec == "random":
@@ -187,7 +187,7 @@ def load_target_and_head(target_spec: str, head_spec: str, dtype=None):
     against the target's config before any target weights load."""
     import torch
 
-    from jetflow_sglang.target import Target
+    from jetflow_sglang.reference.target import Target
 
     dtype = dtype or torch.float32
     target_dir = resolve_target(target_spec)

@@ -43,20 +43,19 @@ def cmd_generate(args: argparse.Namespace) -> None:
     import torch
 
     from jetflow_sglang.assets import load_target_and_head
-    from jetflow_sglang.drafter import HeadDrafter
-    from jetflow_sglang.engine import ReferenceEngine, Sampling, generate_ar
+    from jetflow_sglang.reference.engine import ReferenceEngine, Sampling, generate_ar
+    from jetflow_sglang.reference.proposer import HeadProposer
+    from jetflow_sglang.tree import budget_error
 
-    from jetflow_sglang.tree import MAX_BUDGET
-
-    if not 1 <= args.budget <= MAX_BUDGET:
-        raise JetFlowError(f"budget must be between 1 and {MAX_BUDGET}, got {args.budget}")
+    if (error := budget_error(args.budget)) is not None:
+        raise JetFlowError(error)
     if args.temperature < 0:
         raise JetFlowError(f"temperature must be >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise JetFlowError(f"top-p must be in (0, 1], got {args.top_p}")
     torch.manual_seed(args.seed if args.seed is not None else 0)
     target, head = load_target_and_head(args.target, args.head, getattr(torch, DTYPES[args.dtype]))
-    engine = ReferenceEngine(target, HeadDrafter(head), budget=args.budget, width=args.width, lookup=args.lookup)
+    engine = ReferenceEngine(target, HeadProposer(head), budget=args.budget, width=args.width, lookup=args.lookup)
     prompt_ids = target.encode_prompt(args.prompt, chat=args.chat)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
 
@@ -154,12 +153,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from jetflow_sglang import server as sglang_server
     from jetflow_sglang.assets import head_dir_for, resolve_target
     from jetflow_sglang.budget import BUDGET_ENV
+    from jetflow_sglang.reference.target import check_model_dir, serving_dtype
     from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV
-    from jetflow_sglang.target import check_model_dir, serving_dtype
-    from jetflow_sglang.tree import MAX_BUDGET
+    from jetflow_sglang.tree import budget_error
 
-    if not 1 <= args.budget <= MAX_BUDGET:
-        raise JetFlowError(f"budget must be between 1 and {MAX_BUDGET}, got {args.budget}")
+    if (error := budget_error(args.budget)) is not None:
+        raise JetFlowError(error)
     target = check_model_dir(resolve_target(args.target))
     extra = list(args.sglang_args)
     if not args.no_spec:

@@ -48,9 +48,24 @@ class DraftTree:
         return prefix_lens[:, None] + self.depths
 
 
-def check_budget(budget: int) -> None:
+def budget_error(budget: int, num_depths: int | None = None, width: int | None = None) -> str | None:
+    """Why `budget` cannot be a tree budget, or None: the one budget check of the package (the
+    reference engine, the tree builders, the launcher and the `jetflow` commands all call it).
+    Outside 1..MAX_BUDGET; or, given the draft depths and width, more nodes than the best-first
+    tree of those lists can hold (`max_tree_nodes`)."""
     if not 1 <= budget <= MAX_BUDGET:
-        raise ValueError(f"tree budget must be between 1 and {MAX_BUDGET}, got {budget}")
+        return f"tree budget must be between 1 and {MAX_BUDGET}, got {budget}"
+    if num_depths is not None and width is not None and budget > max_tree_nodes(num_depths, width):
+        return (f"tree budget {budget} exceeds the {max_tree_nodes(num_depths, width)} nodes that "
+                f"{num_depths} draft depths of width {width} can hold")  # fmt: skip
+    return None
+
+
+def check_budget(budget: int, num_depths: int | None = None, width: int | None = None) -> None:
+    """`budget_error` as a ValueError."""
+    error = budget_error(budget, num_depths, width)
+    if error is not None:
+        raise ValueError(error)
 
 
 def max_tree_nodes(num_depths: int, width: int) -> int:
@@ -95,16 +110,11 @@ def build_tree(anchor_tokens: Tensor, draft_logprobs: Tensor, budget: int, width
 
     anchor_tokens: [b] root tokens. draft_logprobs: [b, D, V] log-probs for depths 1..D.
     """
-    check_budget(budget)
     batch, num_depths, vocab = draft_logprobs.shape
     width = min(width, vocab)
     if width < 1:
         raise ValueError(f"tree width must be at least 1, got {width}")
-    if budget > max_tree_nodes(num_depths, width):
-        raise ValueError(
-            f"tree budget {budget} exceeds the {max_tree_nodes(num_depths, width)} nodes that "
-            f"{num_depths} draft depths of width {width} can hold"
-        )
+    check_budget(budget, num_depths, width)
     device = draft_logprobs.device
     anchor_tokens = anchor_tokens.to(device=device, dtype=torch.long)
     topk_logprobs, topk_tokens = draft_logprobs.float().topk(width, dim=-1)  # [b, D, k], sorted

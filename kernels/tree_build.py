@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from jetflow_sglang.tree import DraftTree, check_budget, max_tree_nodes
+from jetflow_sglang.tree import DraftTree, check_budget
 from jetflow_sglang.tree import build_tree_from_topk as tree_from_topk
 
 from ._dispatch import next_power_of_2, use_triton
@@ -133,16 +133,12 @@ def _tree_build_kernel(
 
 
 def _check_shapes(topk_logprobs: Tensor, topk_tokens: Tensor, budget: int) -> None:
-    check_budget(budget)
     if topk_logprobs.dim() != 3 or topk_tokens.shape != topk_logprobs.shape:
         raise ValueError(
             f"expected top-k lists [b, D, k], got {tuple(topk_logprobs.shape)}, {tuple(topk_tokens.shape)}"
         )
     _, num_depths, width = topk_logprobs.shape
-    if budget > max_tree_nodes(num_depths, width):
-        raise ValueError(
-            f"tree budget {budget} exceeds the {max_tree_nodes(num_depths, width)} nodes the lists can hold"
-        )
+    check_budget(budget, num_depths, width)
 
 
 def build_tree_from_topk(anchor_tokens: Tensor, topk_logprobs: Tensor, topk_tokens: Tensor, budget: int) -> DraftTree:

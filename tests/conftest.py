@@ -1,5 +1,6 @@
-"""Shared fixtures: the real default target (fp32, so tree verify and plain decoding agree
-to rounding) with a seeded random head bound to it."""
+"""Shared fixtures: the default target and shipped head on disk (`prepared`, `target_dir`,
+`head_dir`), and the target loaded in fp32 (so tree verify and plain decoding agree to rounding)
+with a seeded random head bound to it. Helpers the tests import are in helpers/."""
 
 from __future__ import annotations
 
@@ -40,6 +41,16 @@ def prepared() -> dict:
 
 
 @pytest.fixture(scope="session")
+def target_dir(prepared) -> str:
+    return str(prepared["target"])
+
+
+@pytest.fixture(scope="session")
+def head_dir(prepared) -> str:
+    return str(prepared["head"])
+
+
+@pytest.fixture(scope="session")
 def target_and_head(prepared):
     torch.manual_seed(0)
     return load_target_and_head(prepared["target"], "random", torch.float32)
@@ -58,16 +69,3 @@ def random_head(target_and_head):
 @pytest.fixture(scope="session")
 def prompt_ids(target) -> list[list[int]]:
     return [target.encode_prompt(text, chat) for text, chat in PROMPTS]
-
-
-def hf_greedy(target, ids: list[int], max_new_tokens: int) -> list[int]:
-    """HF transformers' own greedy decoding: the oracle for losslessness."""
-    with torch.inference_mode():
-        out = target.model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=target.tokenizer.pad_token_id or 0,
-        )
-    return out[0, len(ids) :].tolist()

@@ -7,30 +7,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from scipy.stats import chisquare
 
+from helpers.stats import P_MIN, chi_square
+from helpers.trees import hand_tree
 from jetflow_sglang.accept import Acceptance, accept_tree, processed_probs, target_picks
-from jetflow_sglang.tree import DraftTree, ancestor_mask, build_tree, max_tree_nodes
+from jetflow_sglang.tree import DraftTree, build_tree, max_tree_nodes
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-P_MIN = 1e-3
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def hand_tree(tokens: list[int], parents: list[int], batch: int = 1) -> DraftTree:
-    depths = []
-    for p in parents:
-        depths.append(0 if p < 0 else depths[p] + 1)
-    par = torch.tensor([parents] * batch)
-    return DraftTree(
-        tokens=torch.tensor([tokens] * batch),
-        parents=par,
-        depths=torch.tensor([depths] * batch),
-        scores=torch.zeros(batch, len(tokens)),
-        ancestors=ancestor_mask(par, max(depths)),
-    )
 
 
 def reference_walk(tokens: list[int], parents: list[int], picks: list[int]) -> tuple[list[int], int, int]:
@@ -205,16 +191,6 @@ def sampled():
     acc = accept_tree(tree, picks, max_depth=3)
     probs = np.stack([ref_processed(row, TEMPERATURE, TOP_K, TOP_P) for row in SAMPLE_LOGITS.numpy()])
     return tree, acc, acc.committed_tokens(tree), probs
-
-
-def chi_square(observed: np.ndarray, expected_probs: np.ndarray) -> float:
-    """p-value of observed counts against expected_probs; zero-probability tokens must be unseen."""
-    assert observed[expected_probs == 0].sum() == 0
-    support = expected_probs > 0
-    n = observed.sum()
-    expected = expected_probs[support] * n
-    assert (expected >= 5).all(), "test needs more draws"
-    return chisquare(observed[support], expected).pvalue
 
 
 def test_sampling_reference_probs_have_zeros(sampled):

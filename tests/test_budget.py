@@ -10,15 +10,8 @@ import pytest
 import torch
 
 from jetflow_sglang.budget import AcceptanceCalibration, BudgetPolicy, CostTable, Curve, budget_ladder
-from jetflow_sglang.tree import build_tree, prune_tree, root_only
-
-
-def chain_tree(batch: int, depths: int, prob: float, budget: int, width: int = 4):
-    """A tree whose depth-d top token has probability `prob` (the rest spread over 63 tokens)."""
-    vocab = 64
-    logits = torch.full((batch, depths, vocab), math.log((1 - prob) / (vocab - 1)))
-    logits[:, :, 0] = math.log(prob)
-    return build_tree(torch.zeros(batch, dtype=torch.long), logits, budget, width)
+from helpers.trees import confident_tree, serve_rounds
+from jetflow_sglang.tree import prune_tree, root_only
 
 
 def test_ladder():
@@ -101,7 +94,7 @@ def test_calibration_tells_depths_apart():
 
 def test_static_always_takes_the_cap():
     policy = BudgetPolicy(16, "static")
-    tree = chain_tree(2, 8, 0.01, 16)
+    tree = confident_tree(2, 8, 0.01, 16)
     assert policy.choose(tree) == (16, None)
     policy.observe(tree, torch.zeros(2, 3, dtype=torch.long), 0.5, 0.1)  # nothing to learn
     assert policy.cost.verify.seconds_at == {}
@@ -109,12 +102,7 @@ def test_static_always_takes_the_cap():
 
 def test_sizes_are_measured_smallest_first_until_the_cost_line_is_known():
     policy = BudgetPolicy(16, "adaptive")
-    tree = chain_tree(1, 15, 0.9, 16)
-    tried = []
-    for _ in range(7):
-        size, priority = policy.choose(tree)
-        tried.append(size)
-        policy.observe(prune_tree(tree, size, priority), torch.zeros(1, 16, dtype=torch.long), 0.02 + 0.001 * size, 0.001)
+    tried = serve_rounds(policy, confident_tree(1, 15, 0.9, 16), 7)
     # Twice each until two tree sizes are trusted (the root alone is a plain step, priced apart);
     # then the line through them prices the rest, and a confident draft goes to the cap.
     assert tried == [1, 1, 2, 2, 4, 4, 16]
@@ -129,12 +117,12 @@ def _policy_with_costs(cap: int, seconds_per_token: float, fixed: float) -> Budg
 
 def test_confident_draft_with_flat_cost_takes_the_cap():
     policy = _policy_with_costs(16, seconds_per_token=1e-6, fixed=0.02)  # verify cost ~ flat in size
-    assert policy.choose(chain_tree(1, 15, 0.95, 16))[0] == 16
+    assert policy.choose(confident_tree(1, 15, 0.95, 16))[0] == 16
 
 
 def test_hopeless_draft_verifies_the_root_only():
     policy = _policy_with_costs(16, seconds_per_token=2e-3, fixed=0.02)
-    assert policy.choose(chain_tree(1, 15, 0.001, 16))[0] == 1
+    assert policy.choose(confident_tree(1, 15, 0.001, 16))[0] == 1
 
 
 def test_a_round_never_verifies_more_than_the_verify_token_cap():
@@ -143,16 +131,16 @@ def test_a_round_never_verifies_more_than_the_verify_token_cap():
     from jetflow_sglang.budget import VERIFY_TOKENS_PER_BATCH
 
     policy = _policy_with_costs(64, seconds_per_token=1e-9, fixed=0.02)  # verify cost flat: bigger always pays
-    assert policy.choose(chain_tree(1, 15, 0.95, 64))[0] == 64
-    assert policy.choose(chain_tree(40, 15, 0.95, 64))[0] == 32  # 40 x 64 > 2048 >= 40 x 32
+    assert policy.choose(confident_tree(1, 15, 0.95, 64))[0] == 64
+    assert policy.choose(confident_tree(40, 15, 0.95, 64))[0] == 32  # 40 x 64 > 2048 >= 40 x 32
     assert 40 * 32 <= VERIFY_TOKENS_PER_BATCH < 40 * 64
 
 
 def test_size_shrinks_as_the_batch_grows():
     """Same draft, verify cost linear in bs * n: a big batch can afford fewer nodes each."""
     policy = _policy_with_costs(16, seconds_per_token=1e-3, fixed=0.02)
-    alone = policy.choose(chain_tree(1, 15, 0.7, 16))[0]
-    loaded = policy.choose(chain_tree(16, 15, 0.7, 16))[0]
+    alone = policy.choose(confident_tree(1, 15, 0.7, 16))[0]
+    loaded = policy.choose(confident_tree(16, 15, 0.7, 16))[0]
     assert alone > loaded >= 1
 
 
@@ -161,7 +149,7 @@ def test_expected_commits_match_simulated_greedy_acceptance():
     p, cap = 0.6, 8
     policy = BudgetPolicy(cap, "adaptive")
     gen = torch.Generator().manual_seed(1)
-    tree = chain_tree(1, 7, 0.999, cap, width=1)  # a chain: node d is at depth d
+    tree = confident_tree(1, 7, 0.999, cap, width=1)  # a chain: node d is at depth d
     for _ in range(3000):
         hits = int((torch.rand(7, generator=gen) < p).int().cumprod(0).sum())
         path = torch.tensor([list(range(hits + 1)) + [-1] * (7 - hits)])
@@ -174,7 +162,7 @@ def test_expected_commits_match_simulated_greedy_acceptance():
 
 def test_drafting_that_does_not_pay_is_skipped_with_a_probe_every_8th_round():
     policy = _policy_with_costs(16, seconds_per_token=2e-3, fixed=0.02)
-    tree = prune_tree(chain_tree(4, 15, 0.001, 16), 2)
+    tree = prune_tree(confident_tree(4, 15, 0.001, 16), 2)
     nothing_accepted = torch.tensor([[0, -1]] * 4)
     assert not policy.skip_draft(4)  # nothing known yet: draft
     # 4 tokens in draft + verify seconds, where a plain step (verify of 4 tokens) is faster.
@@ -185,7 +173,7 @@ def test_drafting_that_does_not_pay_is_skipped_with_a_probe_every_8th_round():
     skips = [policy.skip_draft(4) for _ in range(16)]
     assert skips == [True] * 7 + [False] + [True] * 7 + [False]  # every 8th round drafts (a probe)
     assert policy.skip_draft(2)  # a batch size not measured yet starts from the nearest measured one
-    policy.observe(prune_tree(chain_tree(2, 15, 0.9, 16), 4), torch.tensor([[0, 1, 2, 3]] * 2), 0.03, 0.002)
+    policy.observe(prune_tree(confident_tree(2, 15, 0.9, 16), 4), torch.tensor([[0, 1, 2, 3]] * 2), 0.03, 0.002)
     assert policy.draft_value[2] > 1 and not policy.skip_draft(2)  # ... until it is measured itself
     assert policy.skipped_drafts == 15 and policy.report()["chosen"] == {}  # the size is still chosen per round
     assert not BudgetPolicy(16, "static").skip_draft(4)
@@ -195,7 +183,7 @@ def test_a_probe_that_loses_much_comes_rarely():
     """A head round at batch 16 that takes five plain steps' time to commit one token per request
     loses four plain steps: probing it every 200th round keeps the probes' loss at 2% of the time."""
     policy = _policy_with_costs(16, seconds_per_token=1e-3, fixed=0.02)
-    tree = prune_tree(chain_tree(16, 15, 0.001, 16), 2)
+    tree = prune_tree(confident_tree(16, 15, 0.001, 16), 2)
     plain = policy.cost.verify.seconds(16)
     policy.observe(tree, torch.tensor([[0, -1]] * 16), verify_seconds=3 * plain, draft_seconds=2 * plain)
     assert policy.head_loss[16] == pytest.approx(4 * plain)
@@ -209,7 +197,7 @@ def test_the_head_is_skipped_when_rounds_without_it_commit_faster():
     chains alone) have been paying more: skip it, probing every 8th round; once head rounds
     measure better again, keep drafting."""
     policy = _policy_with_costs(16, seconds_per_token=1e-3, fixed=0.02)
-    tree = prune_tree(chain_tree(1, 15, 0.5, 16), 4)
+    tree = prune_tree(confident_tree(1, 15, 0.5, 16), 4)
     two, four = torch.tensor([[0, 1, -1, -1]]), torch.tensor([[0, 1, 2, 3]])
     for _ in range(10):
         policy.observe(tree, two, verify_seconds=0.024, draft_seconds=0.01)  # head rounds: 2 tokens
@@ -233,7 +221,7 @@ def test_lookup_chains_that_do_not_pay_give_way_to_plain_steps():
     from what the target commits instead); a plain step's own round is worth 1 and changes no
     estimate; chains that pay again are kept."""
     policy = _policy_with_costs(16, seconds_per_token=1e-3, fixed=0.02)
-    chains = prune_tree(chain_tree(2, 15, 0.5, 16), 8)
+    chains = prune_tree(confident_tree(2, 15, 0.5, 16), 8)
     assert not policy.skip_chains(2)  # nothing known yet: verify them
     policy.observe(chains, torch.tensor([[0, -1], [0, 1]]), verify_seconds=0.036, draft_seconds=None)
     plain = policy.cost.verify.seconds(2)
@@ -278,7 +266,7 @@ def test_skipped_chains_come_back_when_their_first_tokens_match():
 
 def test_drafting_that_pays_keeps_drafting():
     policy = _policy_with_costs(16, seconds_per_token=1e-3, fixed=0.02)
-    tree = prune_tree(chain_tree(1, 15, 0.5, 16), 4)
+    tree = prune_tree(confident_tree(1, 15, 0.5, 16), 4)
     three_committed = torch.tensor([[0, 1, 2, -1]])
     for _ in range(20):
         policy.observe(tree, three_committed, verify_seconds=0.024, draft_seconds=0.002)
@@ -318,13 +306,9 @@ def test_adaptive_is_the_default_and_measures_its_own_costs(monkeypatch, dtype):
     assert policy.cost.verify.seconds_at == {} and policy.cost.plain.seconds_at == {}
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
     assert policy.report()["origin"] == {"dtype": name, **host_fingerprint("cpu")}
-    tree = chain_tree(2, 15, 0.9, 16)
+    tree = confident_tree(2, 15, 0.9, 16)
     tree.scores = tree.scores.to(dtype)  # scores in the serving dtype are read the same
-    tried = []
-    for _ in range(7):
-        size, priority = policy.choose(tree)
-        tried.append(size)
-        policy.observe(prune_tree(tree, size, priority), torch.zeros(2, 16, dtype=torch.long), 0.02 + 0.001 * size, 0.001)
+    tried = serve_rounds(policy, tree, 7)
     assert tried == [1, 1, 2, 2, 4, 4, 16]
     monkeypatch.setenv("JETFLOW_BUDGET", "")  # empty: the default
     assert policy_from_env(16, "cpu", dtype).adaptive
@@ -337,7 +321,7 @@ def test_static_budget_on_request(monkeypatch):
     monkeypatch.setenv("JETFLOW_BUDGET", "static")
     policy = policy_from_env(16)
     assert policy.mode == "static" and not policy.measuring
-    assert policy.choose(chain_tree(2, 8, 0.01, 16)) == (16, None)
+    assert policy.choose(confident_tree(2, 8, 0.01, 16)) == (16, None)
 
 
 def _write_table(path, **origin) -> str:
@@ -409,7 +393,7 @@ def test_a_round_must_pay_more_than_a_plain_step_by_the_margin():
     margin = pay_bar(4) - 1.0
     assert pay_bar(1) == 1.0 and margin > 0 and pay_bar(16) == pay_bar(4)  # a lone request pays no margin
     policy = _policy_with_costs(16, seconds_per_token=1e-3, fixed=0.02)
-    tree = prune_tree(chain_tree(4, 15, 0.5, 16), 2)
+    tree = prune_tree(confident_tree(4, 15, 0.5, 16), 2)
     two = torch.tensor([[0, 1]] * 4)
     plain = policy.cost.verify.seconds(4)
     worth = 1.0 + margin / 2  # pays against a plain step, inside the margin

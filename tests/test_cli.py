@@ -198,7 +198,7 @@ def test_eval_per_depth_scores_the_head_beside_prompt_lookup(prepared, tmp_path,
 
 
 def test_auto_dtype_is_bf16_exactly_where_its_matmuls_are_native():
-    from jetflow_sglang.target import fast_dtype, serving_dtype
+    from jetflow_sglang.reference.target import fast_dtype, serving_dtype
 
     native = "bfloat16" if fast_dtype() == torch.bfloat16 else "float32"
     assert serving_dtype("auto") == native

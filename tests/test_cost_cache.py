@@ -14,7 +14,7 @@ import torch
 from jetflow_sglang.budget import CostTable, host_fingerprint, policy_from_env
 from jetflow_sglang.cost_cache import SAVE_EVERY, cache_path, cost_key, open_cost_cache
 from jetflow_sglang.head_config import JetFlowConfig
-from jetflow_sglang.tree import build_tree, prune_tree
+from helpers.trees import confident_tree, serve_rounds
 
 HEAD = JetFlowConfig(target_hidden_size=64, target_vocab_size=100, target_num_layers=4, target_layer_ids=[1, 2],
                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=128)  # fmt: skip
@@ -38,21 +38,10 @@ def _target(path, **config):
     return path
 
 
-def _tree():
-    """Two requests, each depth's top token at 0.9: worth a tree once its costs are known."""
-    logits = torch.full((2, 15, 64), torch.log(torch.tensor(0.1 / 63)).item())
-    logits[:, :, 0] = torch.log(torch.tensor(0.9)).item()
-    return build_tree(torch.zeros(2, dtype=torch.long), logits, 16, WIDTH)
-
-
 def _serve_rounds(policy, rounds: int) -> list[int]:
-    """Rounds as the worker runs them: choose a size, verify it (20 ms + 1 ms a node), observe."""
-    tree, chosen = _tree(), []
-    for _ in range(rounds):
-        size, priority = policy.choose(tree)
-        chosen.append(size)
-        policy.observe(prune_tree(tree, size, priority), torch.zeros(2, 16, dtype=torch.long), 0.02 + 0.001 * size, 0.001)
-    return chosen
+    """Rounds as the worker runs them (`serve_rounds`) over two requests, each depth's top token
+    at 0.9: worth a tree once its costs are known."""
+    return serve_rounds(policy, confident_tree(2, 15, 0.9, 16, WIDTH), rounds)
 
 
 def test_key_changes_with_machine_dtype_target_head_width_and_backend(home, tmp_path):

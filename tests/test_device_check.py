@@ -82,23 +82,28 @@ def test_paths_that_disagree_fail_the_device_check() -> None:
     assert [f.split(":")[1].split()[0] for f in path_failures(dry)] == ["paged_vs_dense"]  # fp32 is held tighter
 
 
-# Summary lines as pytest prints them (-q: no "=" rules; without -q they surround the line).
+# Summary lines as pytest prints them (-q: no "=" rules; without -q they surround the line), one
+# run a row: pytest exit status | last line | status on the GPU | status on a dry run. The last
+# row's exit status is one the summary does not explain.
+GPU_RUNS_TABLE = """
+0 | 10 passed in 41.20s | passed | passed
+0 | 10 passed, 3 warnings in 41.20s | passed | passed
+0 | ======================== 10 passed, 2 deselected in 40.02s ======================== | passed | passed
+0 | 9 passed, 1 skipped in 40.02s | failed | partial
+0 | 2 passed, 8 skipped, 2 warnings in 9.81s | failed | partial
+0 | 1 skipped in 0.40s | failed | failed
+1 | 1 failed, 9 passed in 40.00s | failed | failed
+1 | 1 failed, 1 passed, 8 skipped in 9.00s | failed | failed
+1 | 9 passed, 1 error in 40.00s | failed | failed
+2 | 1 error in 0.52s | failed | failed
+2 | !!!!!!!!!!!!!!!!!!!! Interrupted: 2 errors during collection !!!!!!!!!!!!!!!!!!!! | failed | failed
+5 | no tests ran in 0.01s | failed | failed
+5 | 12 deselected in 0.30s | failed | failed
+1 | 10 passed in 41.20s | failed | failed
+"""
 GPU_RUNS = [
-    # (pytest exit status, last line, status on the GPU, status on a dry run)
-    (0, "10 passed in 41.20s", "passed", "passed"),
-    (0, "10 passed, 3 warnings in 41.20s", "passed", "passed"),
-    (0, "======================== 10 passed, 2 deselected in 40.02s ========================", "passed", "passed"),
-    (0, "9 passed, 1 skipped in 40.02s", "failed", "partial"),
-    (0, "2 passed, 8 skipped, 2 warnings in 9.81s", "failed", "partial"),
-    (0, "1 skipped in 0.40s", "failed", "failed"),
-    (1, "1 failed, 9 passed in 40.00s", "failed", "failed"),
-    (1, "1 failed, 1 passed, 8 skipped in 9.00s", "failed", "failed"),
-    (1, "9 passed, 1 error in 40.00s", "failed", "failed"),
-    (2, "1 error in 0.52s", "failed", "failed"),
-    (2, "!!!!!!!!!!!!!!!!!!!! Interrupted: 2 errors during collection !!!!!!!!!!!!!!!!!!!!", "failed", "failed"),
-    (5, "no tests ran in 0.01s", "failed", "failed"),
-    (5, "12 deselected in 0.30s", "failed", "failed"),
-    (1, "10 passed in 41.20s", "failed", "failed"),  # an exit status the summary does not explain
+    (int(code), line, on_gpu, on_dry_run)
+    for code, line, on_gpu, on_dry_run in (row.split(" | ") for row in GPU_RUNS_TABLE.strip().splitlines())
 ]
 
 

@@ -1,17 +1,18 @@
 """The reference engine is lossless: greedy token ids equal HF transformers' greedy decoding,
-with a random head and with an oracle drafter that makes long accepted paths happen."""
+with a random head and with an oracle proposer that makes long accepted paths happen."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import hf_greedy
+from helpers.hf import exact_joint, hf_greedy
+from helpers.stats import joint_fit
 from jetflow_sglang.accept import accept_tree
-from jetflow_sglang.drafter import HeadDrafter
-from jetflow_sglang.engine import ReferenceEngine, generate_ar
 from jetflow_sglang.errors import JetFlowError
-from jetflow_sglang.oracle import OracleDrafter
+from jetflow_sglang.reference.engine import ReferenceEngine, generate_ar
+from jetflow_sglang.reference.proposer import HeadProposer
+from jetflow_sglang.testing.oracle import OracleProposer
 from jetflow_sglang.tree import build_tree
 
 RANDOM_HEAD_NEW_TOKENS = 8
@@ -39,7 +40,7 @@ def test_plain_decoding_matches_hf_generate(target, prompt_ids, greedy_runs):
 
 @pytest.mark.parametrize("budget", [1, 16, 64, 256])
 def test_random_head_is_lossless(target, random_head, prompt_ids, greedy_runs, budget):
-    engine = ReferenceEngine(target, HeadDrafter(random_head), budget=budget)
+    engine = ReferenceEngine(target, HeadProposer(random_head), budget=budget)
     for ids, (reference, _) in zip(prompt_ids, greedy_runs):
         assert engine.generate(ids, RANDOM_HEAD_NEW_TOKENS).tokens == reference[:RANDOM_HEAD_NEW_TOKENS]
 
@@ -48,7 +49,7 @@ def test_random_head_is_lossless(target, random_head, prompt_ids, greedy_runs, b
 def test_random_head_with_lookup_is_lossless(target, random_head, prompt_ids, greedy_runs, budget):
     """The prompt-lookup chain merged into each tree (same budget) changes which drafts are
     verified, never what is committed."""
-    engine = ReferenceEngine(target, HeadDrafter(random_head), budget=budget, lookup=True)
+    engine = ReferenceEngine(target, HeadProposer(random_head), budget=budget, lookup=True)
     merged_rounds = 0
 
     def on_round(position, tree, acceptance):
@@ -66,9 +67,9 @@ def test_random_head_with_lookup_is_lossless(target, random_head, prompt_ids, gr
 
 def test_lookup_raises_tau_on_a_repetitive_prompt(target, random_head):
     ids = target.encode_prompt("1, 2, 3, 1, 2, 3, 1, 2, 3,", False)
-    plain = ReferenceEngine(target, HeadDrafter(random_head), budget=64).generate(ids, 24)
-    lookup = ReferenceEngine(target, HeadDrafter(random_head), budget=64, lookup=True).generate(ids, 24)
-    alone = ReferenceEngine(target, HeadDrafter(random_head), budget=64, lookup=True, head=False).generate(ids, 24)
+    plain = ReferenceEngine(target, HeadProposer(random_head), budget=64).generate(ids, 24)
+    lookup = ReferenceEngine(target, HeadProposer(random_head), budget=64, lookup=True).generate(ids, 24)
+    alone = ReferenceEngine(target, HeadProposer(random_head), budget=64, lookup=True, head=False).generate(ids, 24)
     assert lookup.tokens == plain.tokens == alone.tokens == generate_ar(target, ids, 24).tokens
     assert lookup.tau > plain.tau
     assert lookup.tau > 2.0 and alone.tau > 2.0
@@ -77,14 +78,14 @@ def test_lookup_raises_tau_on_a_repetitive_prompt(target, random_head):
 def test_lookup_alone_is_lossless(target, random_head, prompt_ids, greedy_runs):
     """No head pass: each round verifies the root and the lookup chain (a plain step when there is
     none), never more nodes than the budget."""
-    engine = ReferenceEngine(target, HeadDrafter(random_head), budget=8, lookup=True, head=False)
+    engine = ReferenceEngine(target, HeadProposer(random_head), budget=8, lookup=True, head=False)
     sizes = set()
     for ids, (reference, _) in zip(prompt_ids, greedy_runs):
         result = engine.generate(ids, RANDOM_HEAD_NEW_TOKENS, on_round=lambda position, tree, acc: sizes.add(tree.budget))
         assert result.tokens == reference[:RANDOM_HEAD_NEW_TOKENS]
     assert 1 in sizes and 1 < max(sizes) <= 8, sizes
     with pytest.raises(JetFlowError, match="nothing to draft"):
-        ReferenceEngine(target, HeadDrafter(random_head), budget=8, head=False)
+        ReferenceEngine(target, HeadProposer(random_head), budget=8, head=False)
 
 
 @pytest.mark.parametrize("refresh", [False, True], ids=["one-pass", "refresh"])
@@ -105,7 +106,7 @@ def test_shipped_head_is_lossless(target, prompt_ids, greedy_runs, refresh):
 
     committed = rounds = 0
     for budget in (16, 64):
-        engine = ReferenceEngine(target, HeadDrafter(head), budget=budget, refresh=refresh)
+        engine = ReferenceEngine(target, HeadProposer(head), budget=budget, refresh=refresh)
         for ids, (reference, _) in zip(prompt_ids, greedy_runs):
             result = engine.generate(ids, NEW_TOKENS, on_round=drafted_only_from_the_draft_vocabulary)
             assert result.tokens == reference, (budget, ids)
@@ -129,7 +130,7 @@ def test_pruned_vocabulary_head_is_lossless(prepared, target, prompt_ids, greedy
     def on_round(position, tree, acceptance):
         assert set(tree.tokens[0, 1:].tolist()) <= allowed
 
-    engine = ReferenceEngine(target, HeadDrafter(head), budget=budget)
+    engine = ReferenceEngine(target, HeadProposer(head), budget=budget)
     for ids, (reference, _) in zip(prompt_ids, greedy_runs):
         assert engine.generate(ids, RANDOM_HEAD_NEW_TOKENS, on_round=on_round).tokens == reference[:RANDOM_HEAD_NEW_TOKENS]
 
@@ -143,7 +144,7 @@ def test_fused_head_is_lossless(prepared, target, prompt_ids, greedy_runs, refre
 
     head = build_random_head(prepared["target"], tap_norm=True, anchor_fusion=True).float().eval().requires_grad_(False)
     head.bind_target(target.embedding, target.lm_head)
-    engine = ReferenceEngine(target, HeadDrafter(head), budget=32, refresh=refresh)
+    engine = ReferenceEngine(target, HeadProposer(head), budget=32, refresh=refresh)
     for ids, (reference, _) in zip(prompt_ids, greedy_runs):
         assert engine.generate(ids, RANDOM_HEAD_NEW_TOKENS).tokens == reference[:RANDOM_HEAD_NEW_TOKENS]
 
@@ -165,7 +166,7 @@ def test_oracle_drafter_long_paths_are_lossless(target, prompt_ids, greedy_runs)
     seen_accepts, eos_inside, limit_inside = set(), 0, 0
     for budget in (16, 64, 256):
         for index, (ids, (expected, continuation)) in enumerate(zip(prompt_ids, greedy_runs)):
-            drafter = OracleDrafter(continuation, target.config.vocab_size, block_size=BLOCK_SIZE, seed=1000 * budget + index)
+            drafter = OracleProposer(continuation, target.config.vocab_size, block_size=BLOCK_SIZE, seed=1000 * budget + index)
             implied: list[int] = []
 
             def on_round(position, tree, acceptance):
@@ -187,7 +188,7 @@ def test_oracle_drafter_long_paths_are_lossless(target, prompt_ids, greedy_runs)
     # at rank 0 walks through every length 0..B-1 at least once (the oracle cycles through them).
     ids = prompt_ids[6]
     continuation = ids + generate_ar(target, ids, 10 * BLOCK_SIZE, ignore_eos=True).tokens
-    drafter = OracleDrafter(continuation, target.config.vocab_size, block_size=BLOCK_SIZE, top_rank_share=1.0)
+    drafter = OracleProposer(continuation, target.config.vocab_size, block_size=BLOCK_SIZE, top_rank_share=1.0)
     result = ReferenceEngine(target, drafter, budget=256).generate(ids, 9 * BLOCK_SIZE)
     expected = continuation[len(ids) : len(ids) + 9 * BLOCK_SIZE]
     eos_at = [i for i, token in enumerate(expected) if token in target.eos_token_ids]
@@ -199,7 +200,7 @@ def test_oracle_drafter_long_paths_are_lossless(target, prompt_ids, greedy_runs)
 
 def test_oracle_tau_is_what_the_tree_implies(target, prompt_ids, greedy_runs):
     ids, (_, continuation) = prompt_ids[7], greedy_runs[7]
-    drafter = OracleDrafter(continuation, target.config.vocab_size, seed=7)
+    drafter = OracleProposer(continuation, target.config.vocab_size, seed=7)
     result = ReferenceEngine(target, drafter, budget=64).generate(ids, NEW_TOKENS)
     assert result.rounds >= 2
     assert result.tau == pytest.approx(1 + sum(result.accept_lengths) / result.rounds)
@@ -252,20 +253,10 @@ SAMPLED_TOKENS = 3
 SAMPLED_DRAWS = 240
 
 
-def _top2_joint(target, ids: list[int], tokens: int) -> dict[tuple[int, ...], float]:
-    """P(first `tokens` tokens) at temperature 1, top-k 2, by hand from HF's fp32 logits."""
-    joint = {(): 1.0}
-    with torch.inference_mode():
-        for _ in range(tokens):
-            prefixes = list(joint)
-            logits = target.model(torch.tensor([ids + list(p) for p in prefixes])).logits[:, -1].float()
-            top_logits, top_ids = logits.topk(2, dim=-1)
-            joint = {
-                prefix + (token,): joint[prefix] * prob
-                for prefix, row_ids, row_probs in zip(prefixes, top_ids.tolist(), top_logits.softmax(-1).tolist())
-                for token, prob in zip(row_ids, row_probs)
-            }
-    return joint
+def _top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature 1, top-k 2: the two best tokens and their renormalized probabilities."""
+    top_logits, top_ids = logits.topk(2, dim=-1)
+    return top_ids, top_logits.softmax(-1)
 
 
 def test_sampling_through_the_engine_follows_the_target_over_several_tokens(target, prompt_ids, greedy_runs):
@@ -275,14 +266,12 @@ def test_sampling_through_the_engine_follows_the_target_over_several_tokens(targ
     deeper nodes' draws are what is tested."""
     from collections import Counter
 
-    from scipy.stats import chisquare
-
-    from jetflow_sglang.engine import Sampling
+    from jetflow_sglang.reference.engine import Sampling
 
     index = 9  # "Write a haiku about rain.": several likely continuations
     ids, (_, continuation) = prompt_ids[index], greedy_runs[index]
-    joint = _top2_joint(target, ids, SAMPLED_TOKENS)
-    drafter = OracleDrafter(continuation, target.config.vocab_size, block_size=BLOCK_SIZE, seed=5)
+    joint = exact_joint(target.model, ids, SAMPLED_TOKENS, _top2)  # by hand from HF's fp32 logits
+    drafter = OracleProposer(continuation, target.config.vocab_size, block_size=BLOCK_SIZE, seed=5)
     engine = ReferenceEngine(target, drafter, budget=16)
     draws, accepted = Counter(), 0
     for seed in range(SAMPLED_DRAWS):
@@ -290,12 +279,7 @@ def test_sampling_through_the_engine_follows_the_target_over_several_tokens(targ
         draws[tuple(result.tokens)] += 1
         accepted += sum(result.accept_lengths)
     assert all(outcome in joint for outcome in draws), [o for o in draws if o not in joint]
-    common = [o for o in joint if joint[o] * SAMPLED_DRAWS >= 5]
-    observed = [draws[o] for o in common] + [SAMPLED_DRAWS - sum(draws[o] for o in common)]
-    expected = [joint[o] * SAMPLED_DRAWS for o in common] + [SAMPLED_DRAWS * (1 - sum(joint[o] for o in common))]
-    if expected[-1] < 1e-6:
-        observed, expected = observed[:-1], expected[:-1]
-    p_value = chisquare(observed, expected).pvalue
+    p_value, observed, expected = joint_fit(draws, joint, SAMPLED_DRAWS)
     print(f"engine sampling: observed {observed} expected {[round(e, 1) for e in expected]} p={p_value:.3g}, accepted {accepted}")
     assert p_value > 1e-3, (observed, expected)
     assert accepted >= SAMPLED_DRAWS // 4, accepted

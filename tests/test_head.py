@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jetflow_sglang.drafter import HeadDrafter
 from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.head import JetFlowConfig, JetFlowHead, default_tap_layers
+from jetflow_sglang.reference.proposer import HeadProposer
 
 
 def small_head(causal: bool = True, seed: int = 0, **overrides) -> JetFlowHead:
@@ -93,9 +93,9 @@ def test_causal_block_slots_ignore_later_slots_bidirectional_do_not():
 def test_incremental_context_equals_full_recompute(fused):
     head = small_head(**(FUSED if fused else {}))
     features = torch.randn(1, 9, 96)
-    whole = HeadDrafter(head)
+    whole = HeadProposer(head)
     whole.reset(features)
-    pieces = HeadDrafter(head, capacity=2)  # forces the buffers to grow
+    pieces = HeadProposer(head, capacity=2)  # forces the buffers to grow
     pieces.reset(features[:, :3])
     pieces.extend(features[:, 3:4])
     pieces.extend(features[:, 4:9])
@@ -104,7 +104,7 @@ def test_incremental_context_equals_full_recompute(fused):
     assert a.shape == (1, 5, 50)
     torch.testing.assert_close(a, b)
     if fused:  # the fused head reads the last committed token's features: they must matter
-        other = HeadDrafter(head)
+        other = HeadProposer(head)
         other.reset(torch.cat([features[:, :8], features[:, :1]], 1))
         assert not torch.allclose(other.propose(torch.tensor([5]), 9), a)
 
@@ -202,11 +202,11 @@ def paged_proposer(head: JetFlowHead, lens: list[int], rows: list[int], num_slot
     """SGLang's proposer over every vocabulary token (width = the vocabulary), each request's
     random target features written at scattered KV slots of its req_to_token row; returns the
     proposer and the features."""
-    from jetflow_sglang.sglang_plugin.proposer import HeadProposer
+    from jetflow_sglang.sglang_plugin.proposer import PagedHeadProposer
 
     req_to_token = torch.zeros(max(rows) + 1, max(lens) + 23, dtype=torch.int32)
     slots = torch.randperm(num_slots, generator=gen)
-    proposer = HeadProposer(head, req_to_token, num_slots, "cpu", width=head.config.target_vocab_size)
+    proposer = PagedHeadProposer(head, req_to_token, num_slots, "cpu", width=head.config.target_vocab_size)
     features, start = [], 0
     for row, n in zip(rows, lens):
         req_to_token[row, :n] = slots[start : start + n].to(torch.int32)

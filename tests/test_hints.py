@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from jetflow_sglang.drafter import HeadDrafter
-from jetflow_sglang.engine import ReferenceEngine, generate_ar
 from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.head import JetFlowHead
 from jetflow_sglang.lookup import hint_kind, lookup_draft, lookup_hint, lookup_hints_batched, lookup_match_length
+from jetflow_sglang.reference.engine import ReferenceEngine, generate_ar
+from jetflow_sglang.reference.proposer import HeadProposer
 from jetflow_sglang.training.blocks import head_forward_sequences
 from jetflow_sglang.training.train import load_init_head, start_from
 from jetflow_sglang.training.validate import ValidationSet
@@ -175,16 +175,16 @@ def test_reference_engine_with_a_live_hinted_head_is_lossless_and_passes_the_hin
 
     shipped = load_head("default", Path(prepared["target"])).float().bind_target(target.embedding, target.lm_head)
     head = hinted_copy(plain_copy(shipped), live=True)
-    drafter = HeadDrafter(head)
+    proposer = HeadProposer(head)
     seen = []
-    propose_topk = drafter.propose_topk
+    propose_topk = proposer.propose_topk
 
     def spy(anchor, position, width, hints=None):
         seen.append(hints)
         return propose_topk(anchor, position, width, hints)
 
-    drafter.propose_topk = spy
-    engine = ReferenceEngine(target, drafter, budget=16, lookup=True)
+    proposer.propose_topk = spy
+    engine = ReferenceEngine(target, proposer, budget=16, lookup=True)
     ids = target.encode_prompt("def add(a, b):\n    return a + b\n\ndef add3(a, b, c):", chat=False)
     expected = generate_ar(target, ids, 40).tokens
     assert engine.generate(ids, 40).tokens == expected

@@ -39,6 +39,7 @@ from jetflow_kernels.tree_build import (
 from jetflow_kernels.tree_masks import _ancestor_kernel, _mask_kernel, tree_masks
 from scipy.stats import chisquare
 
+from helpers.stats import P_MIN, joint_fit
 from jetflow_sglang.accept import accept_tree, processed_probs, target_picks
 from jetflow_sglang.tree import (
     DraftTree,
@@ -47,8 +48,6 @@ from jetflow_sglang.tree import (
     full_mask,
     packed_mask,
 )
-
-P_MIN = 1e-3  # chi-square p-value floor; every draw is seeded, so a pass is reproducible
 
 
 # --------------------------------------------------------------------------- inputs
@@ -269,16 +268,11 @@ def outcome_probs(tree: DraftTree, probs: torch.Tensor) -> dict[tuple, float]:
 
 
 def assert_fits(observed: Counter, expected: dict[tuple, float], draws: int) -> None:
-    """Chi-square goodness of fit; outcomes expected fewer than 5 times are pooled."""
+    """Chi-square goodness of fit (`joint_fit`); outcomes expected fewer than 5 times are pooled."""
     assert set(observed) <= set(expected), set(observed) - set(expected)
-    big = [o for o, p in expected.items() if p * draws >= 5]
-    obs = [observed[o] for o in big] + [draws - sum(observed[o] for o in big)]
-    exp = [expected[o] * draws for o in big] + [draws * (1 - sum(expected[o] for o in big))]
-    if exp[-1] < 1e-9:
-        obs, exp = obs[:-1], exp[:-1]
-    exp = [e * sum(obs) / sum(exp) for e in exp]  # float rounding of the total
+    p_value, obs, _ = joint_fit(observed, expected, draws)
     assert len(obs) >= 3
-    assert chisquare(obs, exp).pvalue > P_MIN
+    assert p_value > P_MIN
 
 
 def check_paged_block_attention(device: str) -> None:

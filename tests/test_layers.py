@@ -1,5 +1,6 @@
 """The package's import graph has no cycles, counting imports inside functions too: each
-layer (core, reference engine, training, SGLang plugin, kernels) depends only downward."""
+layer (core, reference engine, training, SGLang plugin, kernels) depends only downward. The CPU
+platform, the reference engine and the test-only package stand apart from the layers beside them."""
 
 from __future__ import annotations
 
@@ -82,3 +83,24 @@ def test_the_package_has_no_import_cycles():
     graph = import_graph()
     assert "jetflow_sglang.training.train" in graph and graph["jetflow_sglang.training.train"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_cpu_platform_reference_engine_and_test_parts_stand_apart():
+    """The CPU platform imports nothing of JETFLOW; the reference engine nothing of SGLang, training
+    or the test parts; the test parts are imported by the worker alone (where a JETFLOW_TEST_*
+    hook asks for them), never by the rest of the package."""
+    graph = import_graph()
+    cpu, reference, testing = "jetflow_sglang.sglang_plugin.cpu", "jetflow_sglang.reference", "jetflow_sglang.testing"
+    assert any(_under(m, cpu) for m in graph) and any(_under(m, reference) for m in graph)
+    for module, deps in graph.items():
+        if _under(module, cpu):
+            assert all(_under(d, cpu) for d in deps), (module, deps)
+        if _under(module, reference):
+            apart = ("jetflow_sglang.sglang_plugin", "jetflow_sglang.training", testing)
+            assert not [d for d in deps if any(_under(d, p) for p in apart)], (module, deps)
+        if not _under(module, testing) and module != "jetflow_sglang.sglang_plugin.worker":
+            assert not [d for d in deps if _under(d, testing)], (module, deps)

@@ -11,10 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers.trees import random_tree
 from jetflow_sglang.lookup import lookup_draft
 from jetflow_sglang.sglang_plugin.committed_ids import CommittedIds
 from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV, LookupBranch, lookup_enabled, lookup_mode
-from jetflow_sglang.tree import build_tree, merge_chain
+from jetflow_sglang.tree import merge_chain
 
 DEPTHS = 6
 
@@ -25,9 +26,7 @@ def request(rid: str, ids: list[int]):
 
 
 def trees(anchors: list[int], budget: int = 12, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    logprobs = torch.randn(len(anchors), DEPTHS, 50, generator=gen).log_softmax(-1)
-    return build_tree(torch.tensor(anchors), logprobs, budget)
+    return random_tree(anchors, DEPTHS, 50, budget, torch.Generator().manual_seed(seed))
 
 
 def test_each_row_gets_its_own_chain_and_the_rest_stay():

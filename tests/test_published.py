@@ -230,8 +230,8 @@ def test_qwen3_target_with_a_published_head_is_lossless(prepared, tmp_path):
 
     from jetflow_sglang import server as sglang_server
     from jetflow_sglang.assets import load_target_and_head
-    from jetflow_sglang.drafter import HeadDrafter
-    from jetflow_sglang.engine import ReferenceEngine
+    from jetflow_sglang.reference.engine import ReferenceEngine
+    from jetflow_sglang.reference.proposer import HeadProposer
 
     target = str(tiny_qwen3_target(prepared["target"], tmp_path / "qwen3"))
     config = JetFlowConfig.for_target(AutoConfig.from_pretrained(target), target_layer_ids=[0, 2], qk_norm=True,
@@ -251,7 +251,7 @@ def test_qwen3_target_with_a_published_head_is_lossless(prepared, tmp_path):
     # The reference engine (HF target, same head, lookup on as in the server) must match the
     # server token for token and round for round: the same drafts were accepted.
     ref_target, head = load_target_and_head(target, head_dir, torch.float32)
-    engine = ReferenceEngine(ref_target, HeadDrafter(head), budget=16, lookup=True)
+    engine = ReferenceEngine(ref_target, HeadProposer(head), budget=16, lookup=True)
     for ids, want, got in zip(prompts, outputs["nospec"], outputs["jetflow"]):
         assert got["output_ids"] == want["output_ids"] and len(got["output_ids"]) == 24
         local = engine.generate(ids, 24, ignore_eos=True)

@@ -21,9 +21,9 @@ pytest.importorskip("sglang")
 
 from sglang.srt.layers.sampler import sampling_from_probs_torch, top_k_top_p_min_p_sampling_from_probs_torch  # noqa: E402
 
+from helpers.trees import random_tree  # noqa: E402
 from jetflow_sglang.accept import accept_tree  # noqa: E402
 from jetflow_sglang.sglang_plugin.seeded_sampling import seeded_picks  # noqa: E402
-from jetflow_sglang.tree import build_tree  # noqa: E402
 
 VOCAB, DEPTHS, BUDGET = 30, 6, 40
 TABLE = 2.0 * torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(0))  # logits after token t: TABLE[t]
@@ -156,11 +156,7 @@ def plain_seeded_decode(anchor: int, position: int, steps: int, sampling: Simple
 
 def tree_holding(anchor: int, path: list[int], seed: int):
     """A best-first tree over random drafts with `path` forced to the top of every depth."""
-    gen = torch.Generator().manual_seed(seed)
-    logprobs = torch.randn(1, DEPTHS, VOCAB, generator=gen)
-    for depth, token in enumerate(path[:DEPTHS]):
-        logprobs[0, depth, token] = 10.0
-    return build_tree(torch.tensor([anchor]), logprobs.log_softmax(-1), BUDGET)
+    return random_tree([anchor], DEPTHS, VOCAB, BUDGET, torch.Generator().manual_seed(seed), path)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 1 << 30, 1.0), (0.8, 5, 1.0), (1.2, 8, 0.85)])

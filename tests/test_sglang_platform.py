@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers.trees import walk_ancestors
 from jetflow_sglang import server as sglang_server
 from sglang.srt.layers.radix_attention import AttentionType
 
@@ -31,13 +32,6 @@ PROMPTS = [
 
 
 # --------------------------------------------------------------------- server
-@pytest.fixture(scope="module")
-def target_dir() -> str:
-    from jetflow_sglang.assets import prepare
-
-    return str(prepare("default")["target"])
-
-
 @pytest.fixture(scope="module")
 def server(target_dir, tmp_path_factory):
     running = sglang_server.start(target_dir, tmp_path_factory.mktemp("sglang") / "server.log")
@@ -145,7 +139,7 @@ H, HKV, D = 4, 2, 8
 def _make_backend(num_slots: int = 256, max_ctx: int = 128):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
-    from jetflow_sglang.sglang_plugin.attention import JetflowCpuAttnBackend
+    from jetflow_sglang.sglang_plugin.cpu.attention import JetflowCpuAttnBackend
 
     kv = MHATokenToKVPool(
         size=num_slots, page_size=1, dtype=torch.float32, head_num=HKV, head_dim=D,
@@ -164,14 +158,7 @@ def _make_backend(num_slots: int = 256, max_ctx: int = 128):
 
 def _tree(parents: list[int]) -> torch.Tensor:
     """[n, n] ancestor-or-self mask of a tree given parent indices (-1 = root)."""
-    n = len(parents)
-    m = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            m[i, j] = True
-            j = parents[j]
-    return m
+    return torch.from_numpy(walk_ancestors(parents))
 
 
 def _reference(q, k_all, v_all, visible):
@@ -292,7 +279,7 @@ def test_decode_matches_torch_native():
 
 # ------------------------------------------------- unit: spec cache-loc kernels
 def test_spec_cache_loc_ops_match_reference_loops():
-    from jetflow_sglang.sglang_plugin.spec_ops import (
+    from jetflow_sglang.sglang_plugin.cpu.spec_ops import (
         assign_extend_cache_locs,
         assign_req_to_token_pool,
     )
@@ -323,7 +310,7 @@ def test_plugin_routes_spec_allocation_to_torch():
     from sglang.srt.plugins import load_plugins
     from sglang.srt.platforms import current_platform
 
-    from jetflow_sglang.sglang_plugin.platform import JetflowCpuPlatform
+    from jetflow_sglang.sglang_plugin.cpu.platform import JetflowCpuPlatform
 
     if not isinstance(current_platform, JetflowCpuPlatform):
         pytest.skip("jetflow_cpu platform not active here (CUDA host?)")
@@ -347,7 +334,7 @@ def test_plugin_routes_spec_allocation_to_torch():
 
 
 def test_torch_threads_restores_the_count_also_after_an_error():
-    from jetflow_sglang.sglang_plugin.threads import one_thread, torch_threads
+    from jetflow_sglang.sglang_plugin.cpu.threads import one_thread, torch_threads
 
     before = torch.get_num_threads()
     with one_thread():

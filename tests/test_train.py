@@ -82,7 +82,7 @@ def test_batched_torch_decoder_drops_finished_rows_and_stays_equal_to_hf():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from jetflow_sglang.assets import prepare
-    from jetflow_sglang.target import encode_prompt
+    from jetflow_sglang.reference.target import encode_prompt
     from jetflow_sglang.training.batch_decode import BatchDecoder
 
     target_dir = prepare()["target"]
@@ -296,7 +296,7 @@ def test_recipe_at_toy_size_trains_evaluates_and_ships_both_heads(data_dir, tmp_
 
 def test_init_from_target_starts_from_the_targets_last_layers(prepared):
     from jetflow_sglang.head import JetFlowConfig, JetFlowHead
-    from jetflow_sglang.target import Target
+    from jetflow_sglang.reference.target import Target
     from jetflow_sglang.training.train import init_from_target
 
     target = Target(prepared["target"], dtype=torch.float32)

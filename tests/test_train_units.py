@@ -286,7 +286,7 @@ def test_validation_scores_an_oracle_head_perfectly_and_lookup_by_hand():
 def test_head_and_trainer_memorize_one_target_written_sequence(target, prompt_ids):
     """Sanity check before any scaling: on one sequence the head the trainer builds (tap norm,
     anchor fusion) reaches depth-1 top-1 >= 0.8 within 250 steps."""
-    from jetflow_sglang.engine import generate_ar
+    from jetflow_sglang.reference.engine import generate_ar
     from jetflow_sglang.training.features import featurize, store_from_parts
 
     ids = prompt_ids[6]

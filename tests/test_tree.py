@@ -11,11 +11,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers.trees import hand_tree, walk_ancestors
 from jetflow_sglang.lookup import CHAIN_SCORES
 from jetflow_sglang.tree import (
     MAX_BUDGET,
     DraftTree,
     ancestor_mask,
+    budget_error,
     build_tree,
     chain_depth_scores,
     full_mask,
@@ -71,15 +73,15 @@ def tree_inputs(draw, max_batch: int = 3, max_depths: int = 4, max_width: int = 
     return anchors, logprobs, budget, width
 
 
-def walk_ancestors(parents: list[int]) -> np.ndarray:
-    n = len(parents)
-    mask = np.zeros((n, n), dtype=bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
+def built(inputs) -> tuple[DraftTree, tuple]:
+    """The tree of `tree_inputs`, and the inputs."""
+    anchors, logprobs, budget, width = inputs
+    return build_tree(anchors, logprobs, budget, width), inputs
+
+
+def prefix_lens(batch: int):
+    """Committed lengths (0..20) of `batch` requests."""
+    return st.lists(st.integers(0, 20), min_size=batch, max_size=batch)
 
 
 def check_structure(tree: DraftTree, anchors: torch.Tensor, logprobs: torch.Tensor, budget: int, width: int) -> None:
@@ -181,8 +183,7 @@ def reference_pack(bits: np.ndarray, lens: list[int]) -> tuple[np.ndarray, np.nd
 @SETTINGS
 @given(tree_inputs())
 def test_structure_invariants(inputs):
-    anchors, logprobs, budget, width = inputs
-    tree = build_tree(anchors, logprobs, budget, width)
+    tree, (anchors, logprobs, budget, width) = built(inputs)
     check_structure(tree, anchors, logprobs, budget, width)
 
 
@@ -190,8 +191,7 @@ def test_structure_invariants(inputs):
 @given(tree_inputs())
 def test_best_subtree_under_cumulative_score(inputs):
     """The tree's nodes are the root plus the N-1 best nodes of the full width-ary tree."""
-    anchors, logprobs, budget, width = inputs
-    tree = build_tree(anchors, logprobs, budget, width)
+    tree, (anchors, logprobs, budget, width) = built(inputs)
     for b in range(logprobs.shape[0]):
         every = brute_force_scores(logprobs[b], width)
         best = sorted((s for s, _ in every), reverse=True)[: budget - 1]
@@ -215,8 +215,7 @@ def test_best_subtree_under_cumulative_score(inputs):
 @SETTINGS
 @given(tree_inputs())
 def test_deterministic(inputs):
-    anchors, logprobs, budget, width = inputs
-    first = build_tree(anchors, logprobs, budget, width)
+    first, (anchors, logprobs, budget, width) = built(inputs)
     second = build_tree(anchors.clone(), logprobs.clone(), budget, width)
     assert_trees_equal(first, second)
 
@@ -224,8 +223,7 @@ def test_deterministic(inputs):
 @SETTINGS
 @given(tree_inputs())
 def test_batch_equals_single(inputs):
-    anchors, logprobs, budget, width = inputs
-    batched = build_tree(anchors, logprobs, budget, width)
+    batched, (anchors, logprobs, budget, width) = built(inputs)
     for b in range(logprobs.shape[0]):
         alone = build_tree(anchors[b : b + 1], logprobs[b : b + 1], budget, width)
         for name in ("tokens", "parents", "depths", "scores", "ancestors"):
@@ -235,8 +233,7 @@ def test_batch_equals_single(inputs):
 @SETTINGS
 @given(tree_inputs())
 def test_ancestor_mask_matches_parent_walk(inputs):
-    anchors, logprobs, budget, width = inputs
-    tree = build_tree(anchors, logprobs, budget, width)
+    tree, (anchors, logprobs, budget, width) = built(inputs)
     recomputed = ancestor_mask(tree.parents, logprobs.shape[1])
     assert torch.equal(recomputed, tree.ancestors)
     for b in range(logprobs.shape[0]):
@@ -411,6 +408,24 @@ def test_budget_beyond_tree_capacity(depths, width):
         build_tree(torch.tensor([0]), logprobs, capacity + 1, width)
 
 
+def test_one_budget_check_with_one_message():
+    """The tree builders (reference and kernel) and the reference engine all refuse a budget with
+    `budget_error`'s message."""
+    from jetflow_kernels import build_tree_from_topk
+
+    assert budget_error(0) == f"tree budget must be between 1 and {MAX_BUDGET}, got 0"
+    assert budget_error(16, 15, 7) is None and budget_error(13, 2, 3) is None
+    too_big = budget_error(14, 2, 3)
+    assert too_big == "tree budget 14 exceeds the 13 nodes that 2 draft depths of width 3 can hold"
+    logprobs = make_logprobs(0, 1, 2, 8, "continuous")
+    with pytest.raises(ValueError, match=too_big):
+        build_tree(torch.tensor([0]), logprobs, 14, width=3)
+    with pytest.raises(ValueError, match=too_big):
+        build_tree_from_topk(torch.tensor([0]), *logprobs.topk(3, dim=-1), 14)
+    with pytest.raises(ValueError, match=budget_error(0)):
+        build_tree(torch.tensor([0]), logprobs, 0, width=3)
+
+
 def test_max_tree_nodes_caps_above_max_budget():
     assert max_tree_nodes(15, 7) > MAX_BUDGET
     assert max_tree_nodes(0, 7) == 1
@@ -428,10 +443,8 @@ def test_zero_width_rejected():
 @SETTINGS
 @given(tree_inputs(), st.data())
 def test_full_mask_layout(inputs, data):
-    anchors, logprobs, budget, width = inputs
-    tree = build_tree(anchors, logprobs, budget, width)
-    batch = logprobs.shape[0]
-    prefix = data.draw(st.lists(st.integers(0, 20), min_size=batch, max_size=batch))
+    tree, (anchors, logprobs, budget, width) = built(inputs)
+    prefix = data.draw(prefix_lens(logprobs.shape[0]))
     mask = full_mask(tree, torch.tensor(prefix))
     assert mask.dtype == torch.bool and mask.dim() == 1
     assert mask.numel() == sum(budget * (p + budget) for p in prefix)
@@ -479,10 +492,8 @@ def test_pack_bits_hand_made():
 @SETTINGS
 @given(tree_inputs(), st.data())
 def test_packed_mask_matches_numpy(inputs, data):
-    anchors, logprobs, budget, width = inputs
-    tree = build_tree(anchors, logprobs, budget, width)
-    batch = logprobs.shape[0]
-    prefix = data.draw(st.lists(st.integers(0, 20), min_size=batch, max_size=batch))
+    tree, (anchors, logprobs, budget, width) = built(inputs)
+    prefix = data.draw(prefix_lens(logprobs.shape[0]))
     packed, indptr = packed_mask(tree, torch.tensor(prefix))
     lens = [budget * (p + budget) for p in prefix]
     ref_packed, ref_indptr = reference_pack(reference_full_mask(tree, prefix), lens)
@@ -534,8 +545,7 @@ def topk_lists(logprobs: torch.Tensor, width: int):
 def test_refresh_with_unchanged_logprobs_rebuilds_the_same_node_set(inputs):
     """When every node's path-conditioned log-probs equal its depth's one-pass log-probs,
     the re-expanded tree is the one-pass tree: same paths, same scores."""
-    anchors, logprobs, budget, width = inputs
-    tree = build_tree(anchors, logprobs, budget, width)
+    tree, (anchors, logprobs, budget, width) = built(inputs)
     depth_rows = tree.depths.clamp(max=logprobs.shape[1] - 1)
     node_logprobs = logprobs.gather(1, depth_rows[..., None].expand(-1, -1, logprobs.shape[-1]))
     again = refreshed_tree(tree, topk_lists(node_logprobs, width), topk_lists(logprobs, width))
@@ -557,8 +567,7 @@ def test_refreshed_tree_is_best_first_under_node_logprobs(inputs, seed):
     """Structure invariants hold, and each node's score is its parent's plus the log-prob its
     parent's distribution (refreshed row if the parent was in the first tree, else its depth's
     one-pass row) gives its token."""
-    anchors, logprobs, budget, width = inputs
-    tree = build_tree(anchors, logprobs, budget, width)
+    tree, (anchors, logprobs, budget, width) = built(inputs)
     gen = torch.Generator().manual_seed(seed)
     node_logprobs = torch.log_softmax(torch.randn(*tree.tokens.shape, logprobs.shape[-1], generator=gen) * 2, -1)
     again = refreshed_tree(tree, topk_lists(node_logprobs, width), topk_lists(logprobs, width))
@@ -684,8 +693,7 @@ def test_merge_chain_winning_chain_is_a_root_path(inputs):
 @SETTINGS
 @given(tree_inputs(max_batch=1, max_depths=5), st.data())
 def test_merge_chain_inside_the_tree_changes_nothing(inputs, data):
-    anchors, logprobs, budget, width = inputs
-    tree = build_tree(anchors, logprobs, budget, width)
+    tree, (anchors, logprobs, budget, width) = built(inputs)
     path = data.draw(st.sampled_from(token_paths(tree, 0)[1:] or [()]))
     for chain_scores in ([0.0], [math.log(0.6)], CHAIN_SCORES):
         assert merge_chain(tree, torch.tensor(path, dtype=torch.long), chain_scores) is tree
@@ -741,8 +749,7 @@ def _row(tree: DraftTree, b: int) -> DraftTree:
 @given(tree_inputs(), st.data())
 def test_prune_head_tree_is_the_smaller_best_first_tree(inputs, data):
     """A head tree pruned to n nodes holds the same token paths as the tree built at budget n."""
-    anchors, logprobs, budget, width = inputs
-    tree = build_tree(anchors, logprobs, budget, width)
+    tree, (anchors, logprobs, budget, width) = built(inputs)
     n = data.draw(st.integers(1, budget))
     pruned = prune_tree(tree, n)
     small = build_tree(anchors, logprobs, n, width)
@@ -780,13 +787,7 @@ def test_prune_merged_tree_keeps_ancestors_and_best_capped_scores(inputs, data):
 def test_prune_hand_made_chain_beats_its_parent():
     """A lookup node scored above its parent is capped at the parent's score, so pruning to 3
     keeps root, parent and that child, not the head's second-best depth-1 sibling alone."""
-    tree = DraftTree(
-        tokens=torch.tensor([[5, 1, 2, 3]]),
-        parents=torch.tensor([[-1, 0, 0, 1]]),
-        depths=torch.tensor([[0, 1, 1, 2]]),
-        scores=torch.tensor([[0.0, -0.5, -0.75, -0.25]]),
-        ancestors=ancestor_mask(torch.tensor([[-1, 0, 0, 1]]), 2),
-    )
+    tree = hand_tree([5, 1, 2, 3], [-1, 0, 0, 1], scores=[0.0, -0.5, -0.75, -0.25])
     assert path_scores(tree).tolist() == [[0.0, -0.5, -0.75, -0.5]]
     pruned = prune_tree(tree, 3)
     assert pruned.tokens.tolist() == [[5, 1, 3]] and pruned.parents.tolist() == [[-1, 0, 1]]

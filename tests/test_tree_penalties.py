@@ -11,16 +11,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers.trees import random_tree
 from jetflow_sglang.sglang_plugin.committed_ids import CommittedIds
 from jetflow_sglang.sglang_plugin.tree_penalties import Penalties, apply_tree_penalties, penalize_tree
-from jetflow_sglang.tree import build_tree
 
 VOCAB, DEPTHS, BUDGET = 12, 5, 24  # a small vocabulary: paths repeat tokens of the output
 
 
 def tree_and_logits(anchor: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
-    tree = build_tree(torch.tensor([anchor]), torch.randn(1, DEPTHS, VOCAB, generator=gen).log_softmax(-1), BUDGET)
+    tree = random_tree([anchor], DEPTHS, VOCAB, BUDGET, gen)
     return tree, 3 * torch.randn(1, BUDGET, VOCAB, generator=gen)
 
 

@@ -1,6 +1,6 @@
 """CUDA graphs of the head's draft pass, one per batch-size bucket (the target's verify buckets).
 
-The draft pass (``HeadProposer.draft``: embeddings, a few decoder layers whose attention is
+The draft pass (``PagedHeadProposer.draft``: embeddings, a few decoder layers whose attention is
 ``jetflow_kernels.paged_block_attention``, the lm_head) reads request lengths and KV slots on
 the device and launches a fixed grid, so it is captured as it is. At replay the batch's
 anchors, lengths and request rows are copied into static buffers padded to the next bucket

@@ -2,18 +2,10 @@
 
 Runs in every SGLang process (``sglang.srt.plugins.load_plugins``):
 
-* registers the ``jetflow_cpu`` attention backend and CLI choice;
+* registers the CPU platform's attention backend and its two wraps of SGLang's KV-slot code
+  (:mod:`.cpu.seams`), which act only while the ``jetflow_cpu`` platform is active;
 * registers ``--speculative-algorithm JETFLOW`` (:mod:`.spec_algo`) through
   ``SpeculativeAlgorithm.register``;
-* wraps ``sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func``
-  (a Triton kernel with an ``sgl_kernel`` CPU twin, used by speculative decode
-  allocation) so that, only while the ``jetflow_cpu`` platform is active, it
-  runs the torch version in :mod:`.spec_ops`.  Elsewhere it calls the original;
-* wraps ``MHATokenToKVPool._init_kv_copy_and_warmup`` (SGLang builds the KV pool
-  with the Triton slot-copy kernel and warms it up whenever a speculative
-  algorithm is set) so that on ``jetflow_cpu`` it is skipped: the platform sets
-  ``SGLANG_NATIVE_MOVE_KV_CACHE``, so KV compaction takes the torch move and the
-  Triton copy is never used;
 * wraps ``speculative_hook._resolve_speculative_algorithm_alias``, which loads the
   draft directory with ``AutoConfig`` for every algorithm (to spot Gemma4 drafts)
   before any algorithm's validator runs: for JETFLOW it returns the name untouched,
@@ -22,10 +14,12 @@ Runs in every SGLang process (``sglang.srt.plugins.load_plugins``):
 * wraps the scheduler's request check ``validate_input_length`` (the one place
   every generate request passes before it is queued; SGLang has no request
   validation seam for speculative algorithms) so that, only while JETFLOW is the
-  speculative algorithm, a request asking for what the tree walk does not apply yet
-  (``request_support.request_error``: custom logit processors, hidden states, top logprobs, min_p
-  with a seed) is refused with a 400 and a
-  message saying why, instead of being served differently from the target alone;
+  speculative algorithm, a request the tree walk cannot serve exactly as the target alone
+  would is refused with a 400 and a message saying why (``request_support.request_error``:
+  custom logit processors, hidden states, logprobs of sampled tokens, top logprobs and
+  token-id logprobs, min_p with a seed). Everything else is served, grammars (regex, JSON
+  schema, EBNF) included: penalties, grammars, logit bias, the sampling cut and seeds apply per
+  tree node (:mod:`.node_acceptance`);
 * wraps ``allocation_sizing.get_alloc_len_per_decode`` so that, while JETFLOW is the
   speculative algorithm, a decode step allocates KV for the tree budget per request: a
   JETFLOW round writes target K/V for its verified nodes alone (the head's context K/V live
@@ -40,39 +34,15 @@ Runs in every SGLang process (``sglang.srt.plugins.load_plugins``):
 
 from __future__ import annotations
 
-from . import ALGORITHM, attention, spec_algo, verify_input
+from . import ALGORITHM, spec_algo, verify_input
+from .cpu import seams as cpu_seams
 from .request_support import request_error
 
-ASSIGN_REQ_TO_TOKEN = "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func"
-KV_COPY_WARMUP = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup"
 RESOLVE_ALIAS = "sglang.srt.arg_groups.speculative_hook._resolve_speculative_algorithm_alias"
 VALIDATE_REQUEST = "sglang.srt.managers.utils.validate_input_length"
 GRAPH_RUNNER_CLS = "sglang.srt.model_executor.model_runner.ModelRunner._decode_cuda_graph_runner_cls"
 DUMMY_VERIFY_INPUT = "sglang.srt.speculative.spec_info.create_dummy_verify_input"
 ALLOC_LEN_PER_DECODE = "sglang.srt.mem_cache.allocation_sizing.get_alloc_len_per_decode"
-
-
-def _on_jetflow_cpu() -> bool:
-    from sglang.srt.platforms import current_platform
-
-    from .platform import JetflowCpuPlatform
-
-    return isinstance(current_platform, JetflowCpuPlatform)
-
-
-def _assign_req_to_token_pool_around(original, *args, **kwargs):
-    if _on_jetflow_cpu():
-        from .spec_ops import assign_req_to_token_pool
-
-        return assign_req_to_token_pool(*args, **kwargs)
-    return original(*args, **kwargs)
-
-
-def _kv_copy_warmup_around(original, pool, *args, **kwargs):
-    if _on_jetflow_cpu() and getattr(pool, "use_native_move_kv_cache", False):
-        pool._kv_copy_config = None
-        return None
-    return original(pool, *args, **kwargs)
 
 
 def _resolve_alias_around(original, algorithm, *args, **kwargs):
@@ -109,10 +79,8 @@ def _alloc_len_per_decode_around(original, *args, **kwargs):
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    attention.register()
+    cpu_seams.register()
     spec_algo.register()
-    HookRegistry.register(ASSIGN_REQ_TO_TOKEN, _assign_req_to_token_pool_around, HookType.AROUND)
-    HookRegistry.register(KV_COPY_WARMUP, _kv_copy_warmup_around, HookType.AROUND)
     HookRegistry.register(RESOLVE_ALIAS, _resolve_alias_around, HookType.AROUND)
     HookRegistry.register(VALIDATE_REQUEST, _validate_request_around, HookType.AROUND)
     HookRegistry.register(GRAPH_RUNNER_CLS, verify_input.decode_graph_runner_cls, HookType.AROUND)

@@ -1,17 +1,14 @@
-"""Proposers for the SGLang JETFLOW worker: per-depth top-k draft lists for a batch.
+"""The SGLang JETFLOW worker's proposer interface (`BatchProposer`): per-depth top-k draft lists
+for a batch, and the JetFlow head behind it (`PagedHeadProposer`).
 
 The worker never learns what is behind a proposer: the JetFlow head (keeping its
 context K/V in buffers indexed by the target's KV slot ids, so radix-cache hits
-reuse it), or, in tests, an oracle that knows each prompt's greedy continuation
-(`JETFLOW_TEST_ORACLE`: a JSON file of ``[[prompt_ids, continuation_ids], ...]``)
-and puts the true tokens at random ranks of each depth's top-k. Prompts the oracle
-does not know are drafted by the head, so one server serves both kinds at once.
+reuse it), or, in tests, the oracle of :mod:`jetflow_sglang.testing.paged_oracle`. This is the
+batch form of the reference engine's `Proposer` (:mod:`jetflow_sglang.reference.proposer`).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
@@ -20,12 +17,9 @@ from torch import Tensor
 
 from jetflow_kernels import paged_block_attention
 from jetflow_sglang.head import JetFlowHead
-from jetflow_sglang.oracle import OracleDrafter
 from jetflow_sglang.tree import Candidates
 
 from .draft_graphs import DraftGraphRunner
-
-ORACLE_ACCEPT_ENV = "JETFLOW_TEST_ORACLE_ACCEPT"  # a float p: the oracle drafts with acceptance p per depth
 
 
 @dataclass
@@ -44,7 +38,7 @@ class DraftRequest:
     hint_kinds: Optional[Tensor] = None
 
 
-class Proposer(Protocol):
+class BatchProposer(Protocol):
     block_size: int
 
     def write_context(self, features: Tensor, slots: Tensor, positions: Tensor) -> None:
@@ -55,7 +49,7 @@ class Proposer(Protocol):
         float32 and token ids [b, block_size - 1, k] (`tree.top_candidates`)."""
 
 
-class HeadProposer:
+class PagedHeadProposer:
     """The JetFlow head; its context K/V live in [layers, slots, kv_heads, head_dim] buffers."""
 
     def __init__(self, head: JetFlowHead, req_to_token: Tensor, num_slots: int, device: torch.device | str,
@@ -128,53 +122,3 @@ class HeadProposer:
     def propose(self, request: DraftRequest) -> Candidates:
         return self.runner.run(request.anchors.long(), request.seq_lens.long(), request.req_pool_indices.long(),
                                request.hint_tokens, request.hint_kinds)  # fmt: skip
-
-
-class OracleProposer:
-    """Test proposer: one `OracleDrafter` per known prompt (its greedy continuation); the
-    head (`fallback`) drafts every other request and keeps its context K/V for all."""
-
-    def __init__(self, path: str, fallback: Proposer, vocab_size: int, width: int, seed: int = 0) -> None:
-        """path: JSON list of [prompt ids, greedy continuation]. ``JETFLOW_TEST_ORACLE_ACCEPT=p``
-        makes it a drafter of set quality (`OracleDrafter` accept_prob)."""
-        with open(path) as f:
-            pairs = json.load(f)
-        accept = os.environ.get(ORACLE_ACCEPT_ENV)
-        self.accept_prob = float(accept) if accept else None
-        self.continuations = {tuple(prompt): list(prompt) + list(cont) for prompt, cont in pairs}
-        self.fallback = fallback
-        self.block_size = fallback.block_size
-        self.vocab_size, self.width, self.seed = vocab_size, width, seed
-        self._drafters: dict[str, OracleDrafter] = {}
-        self._last_round: dict[str, int] = {}
-        self._created = 0
-
-    def write_context(self, features: Tensor, slots: Tensor, positions: Tensor) -> None:
-        self.fallback.write_context(features, slots, positions)
-
-    def propose(self, request: DraftRequest) -> Candidates:
-        live = set(request.rids)
-        for rid in [r for r in self._drafters if r not in live]:
-            del self._drafters[rid], self._last_round[rid]
-        known = [tuple(p) in self.continuations for p in request.prompts]
-        head_top = self.fallback.propose(request) if not all(known) else None
-        rows = []
-        for i, rid in enumerate(request.rids):
-            if not known[i]:
-                rows.append((head_top[0][i : i + 1], head_top[1][i : i + 1]))
-                continue
-            drafter = self._drafters.get(rid)
-            position = int(request.seq_lens[i])
-            if drafter is None:
-                continuation = self.continuations[tuple(request.prompts[i])]
-                self._created += 1
-                drafter = OracleDrafter(continuation, self.vocab_size, self.block_size, self.width,
-                                        seed=self.seed + self._created, accept_prob=self.accept_prob)  # fmt: skip
-                self._drafters[rid] = drafter
-                drafter.length = position  # first decode round (or back after a retraction)
-            else:
-                drafter.advance_to(position, rounds=request.round_index - self._last_round[rid])
-            self._last_round[rid] = request.round_index
-            logprobs, tokens = drafter.propose_topk(request.anchors[i : i + 1], position, self.width)
-            rows.append((logprobs.to(request.anchors.device), tokens.to(request.anchors.device)))
-        return torch.cat([r[0] for r in rows], 0), torch.cat([r[1] for r in rows], 0)

@@ -77,7 +77,7 @@ def validate_server_args(server_args) -> None:
 
     from jetflow_sglang.errors import JetFlowError
     from jetflow_sglang.head import JetFlowConfig, JetFlowHead
-    from jetflow_sglang.tree import MAX_BUDGET, max_tree_nodes
+    from jetflow_sglang.tree import budget_error
 
     head_path = server_args.speculative_draft_model_path
     if int(getattr(server_args, "tp_size", 1) or 1) > 1:
@@ -91,8 +91,8 @@ def validate_server_args(server_args) -> None:
     if budget is None:
         budget = DEFAULT_BUDGET
         server_args.speculative_num_draft_tokens = budget
-    if not 1 <= int(budget) <= MAX_BUDGET:
-        _fail(f"--speculative-num-draft-tokens (tree budget) must be between 1 and {MAX_BUDGET}, got {budget}")
+    if (error := budget_error(int(budget))) is not None:
+        _fail(f"--speculative-num-draft-tokens: {error}")
     width = server_args.speculative_eagle_topk
     if width is None:
         width = DEFAULT_WIDTH
@@ -116,11 +116,8 @@ def validate_server_args(server_args) -> None:
         # SGLang captures a layer's output as the next layer's input: the last layer has none.
         _fail(f"head taps the target's last layer ({last}); SGLang can capture layers 0..{last - 1} only")
     depths = config.block_size - 1
-    if int(budget) > max_tree_nodes(depths, int(width)):
-        _fail(
-            f"tree budget {budget} exceeds the {max_tree_nodes(depths, int(width))} nodes that "
-            f"{depths} draft depths of width {width} can hold"
-        )
+    if (error := budget_error(int(budget), depths, int(width))) is not None:
+        _fail(f"--speculative-num-draft-tokens: {error}")
     if server_args.speculative_num_steps is None:
         server_args.speculative_num_steps = depths
     _check_deterministic_inference(server_args)  # before the backends, whose refusal would not say why

@@ -47,23 +47,21 @@ from jetflow_kernels import backend_name, build_tree_from_topk, tree_masks
 from jetflow_sglang.budget import policy_from_env
 from jetflow_sglang.cost_cache import open_cost_cache
 from jetflow_sglang.head import JetFlowHead
+from jetflow_sglang.testing.feature_dump import FeatureDump
+from jetflow_sglang.testing.hooks import TEST_DRAFT_BATCH_SIZES, WorkerTestHooks
 from jetflow_sglang.tree import DraftTree, prune_tree, root_only
 
 from .committed_ids import CommittedIds
-from .feature_dump import FeatureDump
 from .hints import BatchHints, RoundLookups
 from .lookup_branch import LookupBranch, lookup_enabled, lookup_mode
 from .node_acceptance import accept_round
-from .proposer import DraftRequest, HeadProposer, OracleProposer, Proposer
+from .proposer import BatchProposer, DraftRequest, PagedHeadProposer
 from .request_support import request_error
 from .tree_penalties import any_penalized
 from .verify_input import verify_input
 
 logger = logging.getLogger(__name__)
 
-ORACLE_ENV = "JETFLOW_TEST_ORACLE"
-DRAFT_PADDING_ENV = "JETFLOW_TEST_DRAFT_PADDING"  # tests: draft-graph replay bookkeeping without CUDA
-TEST_DRAFT_BATCH_SIZES = (1, 2, 4, 8)
 PROFILE_ENV = "JETFLOW_PROFILE"
 PROFILE_EVERY = 20  # rounds between profile log lines (cumulative)
 
@@ -91,7 +89,7 @@ class JetFlowWorker(BaseSpecWorker):
         self.depths = self.block_size - 1
         # Before the target's attention backends and graphs are set up (scheduler order).
         model.set_dflash_layers_to_capture(list(head.config.target_layer_ids))
-        self.proposer: Optional[Proposer] = None
+        self.proposer: Optional[BatchProposer] = None
         self.lookup = LookupBranch(self.depths) if lookup_enabled() else None
         self.lookup_only = lookup_mode() == "only"  # the head never drafts: the baseline
         hint_ngram = head.config.lookup_hint_ngram if head.config.lookup_hint else 0
@@ -105,7 +103,8 @@ class JetFlowWorker(BaseSpecWorker):
                                           self.width, get_exec().kernel.attention_backend)  # fmt: skip
         self.committed_ids = CommittedIds()  # token ids with KV per request (overlap: req.output_ids lags)
         self.profile = os.environ.get(PROFILE_ENV, "") == "1"
-        self.feature_dump = FeatureDump.from_env()  # tests: captured taps against HF's
+        self.test_hooks = WorkerTestHooks.from_env()  # JETFLOW_TEST_*: read once, here
+        self.feature_dump = FeatureDump(self.test_hooks.dump_features) if self.test_hooks.dump_features else None
         self.timings: dict[str, float] = defaultdict(float)
         self.rounds = 0
 
@@ -129,13 +128,16 @@ class JetFlowWorker(BaseSpecWorker):
         self.req_to_token_pool, self.token_to_kv_pool_allocator = self._target_worker.get_memory_pool()
         kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
         num_slots = int(kv_pool.size) + int(kv_pool.page_size) + 1
-        self.head_proposer = HeadProposer(self.head, self.req_to_token_pool.req_to_token, num_slots, self.device, self.width)
+        self.head_proposer = PagedHeadProposer(self.head, self.req_to_token_pool.req_to_token, num_slots, self.device, self.width)
         self.proposer = self.head_proposer
         logger.info("JETFLOW: %s", self.buffer_report(num_slots))
-        oracle = os.environ.get(ORACLE_ENV)
+        oracle = self.test_hooks.oracle_file
         if oracle:
+            from jetflow_sglang.testing.paged_oracle import PagedOracleProposer
+
             logger.warning("JETFLOW: test oracle drafts the prompts listed in %s; the head drafts the rest", oracle)
-            self.proposer = OracleProposer(oracle, self.head_proposer, self.vocab_size, self.width)
+            self.proposer = PagedOracleProposer(oracle, self.head_proposer, self.vocab_size, self.width,
+                                                accept_prob=self.test_hooks.oracle_accept)  # fmt: skip
 
     def init_cuda_graphs(self) -> None:
         """Capture the head's draft pass at the target verify graphs' batch sizes (after SGLang
@@ -151,7 +153,7 @@ class JetFlowWorker(BaseSpecWorker):
             if self.lookup_only:  # lookup-only trees vary in size; the verify graphs do not
                 logger.warning("JETFLOW: JETFLOW_LOOKUP=only is off under CUDA graphs; the head drafts with the lookup branch")
                 self.lookup_only = False
-        elif os.environ.get(DRAFT_PADDING_ENV) == "1":
+        elif self.test_hooks.draft_padding:
             logger.warning("JETFLOW: draft pass padded to batch sizes %s without capture (test)", TEST_DRAFT_BATCH_SIZES)
             self.head_proposer.use_graphs(TEST_DRAFT_BATCH_SIZES, "padded")
 

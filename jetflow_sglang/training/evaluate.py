@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from jetflow_sglang.prompts import Prompt, load_prompts
-from jetflow_sglang.drafter import HeadDrafter
-from jetflow_sglang.engine import ReferenceEngine, generate_ar
 from jetflow_sglang.errors import JetFlowError
+from jetflow_sglang.prompts import Prompt, load_prompts
+from jetflow_sglang.reference.engine import ReferenceEngine, generate_ar
+from jetflow_sglang.reference.proposer import HeadProposer
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def evaluate(config: EvalConfig):
     prompts: list[Prompt] = load_prompts(config.prompts)[: config.limit]
     engines = {
         b: ReferenceEngine(
-            target, HeadDrafter(head), budget=b, width=config.width, refresh=config.refresh, lookup=config.lookup
+            target, HeadProposer(head), budget=b, width=config.width, refresh=config.refresh, lookup=config.lookup
         )
         for b in config.budgets
     }

@@ -33,13 +33,13 @@ class GateSlice:
 def measure(target, head, slice_: GateSlice = GateSlice()) -> dict:
     """τ of head + lookup branch and of the lookup alone on the slice (greedy, as loaded: use fp32);
     `identical`: both matched plain decoding token for token."""
-    from jetflow_sglang.drafter import HeadDrafter
-    from jetflow_sglang.engine import ReferenceEngine, generate_ar
     from jetflow_sglang.prompts import load_prompts
+    from jetflow_sglang.reference.engine import ReferenceEngine, generate_ar
+    from jetflow_sglang.reference.proposer import HeadProposer
 
     engines = {
-        "tau": ReferenceEngine(target, HeadDrafter(head), budget=slice_.budget, lookup=True),
-        "lookup_tau": ReferenceEngine(target, HeadDrafter(head), budget=slice_.budget, lookup=True, head=False),
+        "tau": ReferenceEngine(target, HeadProposer(head), budget=slice_.budget, lookup=True),
+        "lookup_tau": ReferenceEngine(target, HeadProposer(head), budget=slice_.budget, lookup=True, head=False),
     }
     committed = {name: 0 for name in engines}
     rounds = {name: 0 for name in engines}

@@ -72,7 +72,7 @@ def _data_dirs(config: RecipeConfig) -> tuple[Path, Path | None, Path]:
 
 
 def _eval_dtype(config: RecipeConfig) -> str:
-    from jetflow_sglang.target import serving_dtype
+    from jetflow_sglang.reference.target import serving_dtype
 
     return serving_dtype(config.eval_dtype or "auto")
 

@@ -28,7 +28,7 @@ from jetflow_sglang.training.data import (
     write_shard,
 )
 from jetflow_sglang.errors import JetFlowError
-from jetflow_sglang.target import encode_prompt
+from jetflow_sglang.reference.target import encode_prompt
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ def regenerate(config: RegenerateConfig) -> dict:
     from transformers import AutoTokenizer
 
     from jetflow_sglang.assets import resolve_target
-    from jetflow_sglang.target import check_model_dir, serving_dtype
+    from jetflow_sglang.reference.target import check_model_dir, serving_dtype
 
     if config.max_new_tokens < 1 or config.batch_size < 1:
         raise JetFlowError("max new tokens and batch size must be at least 1")

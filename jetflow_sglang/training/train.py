@@ -223,7 +223,7 @@ def train(config: TrainConfig, log=print) -> dict:
     from tqdm import tqdm
 
     from jetflow_sglang.assets import resolve_target
-    from jetflow_sglang.target import Target, fast_dtype
+    from jetflow_sglang.reference.target import Target, fast_dtype
     from jetflow_sglang.training.validate import ValidationSet
 
     _check_config(config)

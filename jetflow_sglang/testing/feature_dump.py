@@ -1,4 +1,4 @@
-"""Test hook (JETFLOW_TEST_DUMP_FEATURES=<dir>): the target features the worker hands the head.
+"""Test hook (``JETFLOW_TEST_DUMP_FEATURES=<dir>``, read by :mod:`.hooks`): the target features the worker hands the head.
 
 One safetensors file per request and write, named `<rid>-<first position>`: the tokens, their
 positions and their tapped target features. Prefill chunks write the prompt's rows; each verify
@@ -14,17 +14,10 @@ import os
 import torch
 from torch import Tensor
 
-DUMP_FEATURES_ENV = "JETFLOW_TEST_DUMP_FEATURES"
-
 
 class FeatureDump:
     def __init__(self, directory: str) -> None:
         self.directory = directory
-
-    @classmethod
-    def from_env(cls) -> "FeatureDump | None":
-        directory = os.environ.get(DUMP_FEATURES_ENV)
-        return cls(directory) if directory else None
 
     def _write(self, rid: str, token_ids: Tensor, positions: Tensor, features: Tensor) -> None:
         from safetensors.torch import save_file

@@ -1,10 +1,10 @@
 """Reference engine on HF transformers: speculative generation with a draft tree, batch size 1.
 
-Per round: one drafter pass -> best-first tree (optionally with the prompt-lookup
+Per round: one draft pass (the proposer) -> best-first tree (optionally with the prompt-lookup
 continuation merged in as a free branch, and optionally re-expanded after a
 path-conditioned refresh pass) -> one target forward over the tree
 with the ancestor mask at positions prefix+depth -> acceptance -> keep the accepted
-path's target KV (cache compacted to it) and hand its features to the drafter.
+path's target KV (cache compacted to it) and hand its features to the proposer.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Callable
 import torch
 
 from jetflow_sglang.accept import Acceptance, accept_tree, target_picks
-from jetflow_sglang.drafter import Drafter
 from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.lookup import CHAIN_SCORES, lookup_draft, lookup_hint
-from jetflow_sglang.target import Target, compact_cache
-from jetflow_sglang.tree import (DraftTree, build_tree_from_topk, chain_tree, check_budget, max_tree_nodes, merge_chain,
+from jetflow_sglang.reference.proposer import Proposer
+from jetflow_sglang.reference.target import Target, compact_cache
+from jetflow_sglang.tree import (DraftTree, budget_error, build_tree_from_topk, chain_tree, merge_chain,
                                  refreshed_tree, top_candidates)
 
 
@@ -109,7 +109,7 @@ class ReferenceEngine:
     def __init__(
         self,
         target: Target,
-        drafter: Drafter,
+        proposer: Proposer,
         budget: int = 64,
         width: int = 7,
         refresh: bool = False,
@@ -121,19 +121,12 @@ class ReferenceEngine:
         (tree.merge_chain), its depth-d node scored lookup_scores[d-1], within the same budget.
         head=False (with lookup): verify the lookup chain alone each round, no head pass (the
         training-free baseline)."""
-        try:
-            check_budget(budget)
-        except ValueError as exc:
-            raise JetFlowError(str(exc)) from None
-        depths = drafter.block_size - 1
-        if budget > max_tree_nodes(depths, width):
-            raise JetFlowError(
-                f"budget {budget} exceeds the {max_tree_nodes(depths, width)} nodes a block of "
-                f"{drafter.block_size} and width {width} can draft"
-            )
-        if refresh and not hasattr(drafter, "refresh"):
-            raise JetFlowError(f"{type(drafter).__name__} has no path-conditioned refresh pass")
-        self.target, self.drafter, self.budget, self.width = target, drafter, budget, width
+        error = budget_error(budget, proposer.block_size - 1, width)
+        if error is not None:
+            raise JetFlowError(error)
+        if refresh and not hasattr(proposer, "refresh"):
+            raise JetFlowError(f"{type(proposer).__name__} has no path-conditioned refresh pass")
+        self.target, self.proposer, self.budget, self.width = target, proposer, budget, width
         self.refresh = refresh
         if not head and not lookup:
             raise JetFlowError("without the head there is nothing to draft: turn prompt lookup on")
@@ -158,39 +151,39 @@ class ReferenceEngine:
         position = len(prompt_ids)
         logits, features = target.forward(torch.tensor([prompt_ids]), torch.arange(position)[None], cache)
         if self.head:
-            self.drafter.reset(features)
+            self.proposer.reset(features)
         result = GenerationResult(tokens=[])
         done = _finish(result.tokens, [int(pick(logits[:, -1:])[0, 0])], eos, max_new_tokens)
         context = list(prompt_ids) + result.tokens  # prompt + committed tokens, anchor last
         while not done:
             anchor = torch.tensor([result.tokens[-1]])
-            depths = self.drafter.block_size - 1
+            depths = self.proposer.block_size - 1
             chain = lookup_draft(context, depth=depths) if self.lookup else []
             if not self.head:
                 tree = chain_tree(anchor, [chain], self.budget - 1, self.lookup_scores)
             else:
                 hints = None
-                if self.drafter.hint_ngram:  # a hinted head reads the lookup's candidate
-                    hint_tokens, kinds = lookup_hint(context, depths, self.drafter.hint_ngram)
+                if self.proposer.hint_ngram:  # a hinted head reads the lookup's candidate
+                    hint_tokens, kinds = lookup_hint(context, depths, self.proposer.hint_ngram)
                     hints = (torch.tensor([hint_tokens]), torch.tensor([kinds]))
-                draft_top = self.drafter.propose_topk(anchor, position, self.width, hints)
+                draft_top = self.proposer.propose_topk(anchor, position, self.width, hints)
                 tree = build_tree_from_topk(anchor, *draft_top, self.budget)
                 if self.refresh:  # second head pass over the tree: branch-specific children (method §3)
-                    node_top = top_candidates(self.drafter.refresh(tree, position), self.width)
+                    node_top = top_candidates(self.proposer.refresh(tree, position), self.width)
                     tree = refreshed_tree(tree, node_top, draft_top)
                 if chain:  # after the refresh, which rebuilds the tree from the head's log-probs
                     tree = merge_chain(tree, torch.tensor(chain), self.lookup_scores)
             prefix_visible = torch.ones(1, tree.budget, position, dtype=torch.bool)
             mask = torch.cat([prefix_visible, tree.ancestors], -1)[:, None]
             logits, features = target.forward(tree.tokens, tree.positions(torch.tensor([position])), cache, mask)
-            acceptance = accept_tree(tree, pick(logits), max_depth=self.drafter.block_size - 1)
+            acceptance = accept_tree(tree, pick(logits), max_depth=self.proposer.block_size - 1)
             if on_round is not None:
                 on_round(position, tree, acceptance)
             accepted = int(acceptance.num_accepted[0])
             path = acceptance.path[0, : accepted + 1]
             compact_cache(cache, torch.cat([torch.arange(position), position + path]))
             if self.head:
-                self.drafter.extend(features[:, path])
+                self.proposer.extend(features[:, path])
             result.accept_lengths.append(accepted)
             committed = acceptance.committed_tokens(tree)[0, : accepted + 1].tolist()
             done = _finish(result.tokens, committed, eos, max_new_tokens)

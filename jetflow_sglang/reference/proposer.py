@@ -1,6 +1,6 @@
 """The proposer interface of the reference engine, and the JetFlow head behind it.
 
-A drafter turns the committed context into per-depth draft logits for the
+A proposer turns the committed context into per-depth draft logits for the
 tokens after the anchor. The engine never learns what is behind it: the
 trained head, a random head, or a test oracle.
 """
@@ -16,7 +16,7 @@ from jetflow_sglang.head import Hints, JetFlowHead
 from jetflow_sglang.tree import Candidates, DraftTree
 
 
-class Drafter(Protocol):
+class Proposer(Protocol):
     block_size: int
     hint_ngram: int  # > 0: propose reads lookup hints of suffixes up to this length (a hinted head)
 
@@ -34,7 +34,7 @@ class Drafter(Protocol):
         """`propose` as its top-`width` lists [1, block_size - 1, k] (`tree.top_candidates`)."""
 
 
-class HeadDrafter:
+class HeadProposer:
     """Drafts with a JetFlow head; keeps the head's context K/V in preallocated buffers."""
 
     def __init__(self, head: JetFlowHead, capacity: int = 8192) -> None:
@@ -92,6 +92,6 @@ class HeadDrafter:
 
     @torch.inference_mode()
     def refresh(self, tree: DraftTree, position: int) -> Tensor:
-        """Logits [1, N, V] of the token after each tree node, given the path to it (optional drafter method)."""
+        """Logits [1, N, V] of the token after each tree node, given the path to it (optional proposer method)."""
         return self.head.refresh(tree.tokens, tree.depths + position, tree.ancestors, self._context(),
                                  anchor_context=self._last_projected)  # fmt: skip

@@ -1,6 +1,6 @@
-"""A test drafter that knows the target's greedy continuation.
+"""A test proposer for the reference engine that knows the target's greedy continuation.
 
-A random head accepts almost nothing, which leaves long accepted paths, EOS and the
+(`jetflow_sglang.reference.proposer.Proposer`.) A random head accepts almost nothing, which leaves long accepted paths, EOS and the
 token limit inside a path, and deep KV compaction untested. The oracle drafts
 logits in which the target's true next tokens sit at chosen ranks of each depth's
 top-k: per round it picks how many depths to get right (cycling through 0..D), puts the
@@ -9,7 +9,7 @@ the top-k just after. Whether a path survives into the tree still depends on the
 budget, so the accepted length is whatever the tree holds, and a test can check the
 engine against it.
 
-With ``accept_prob`` p it is a synthetic drafter of set quality instead: each round the true
+With ``accept_prob`` p it is a synthetic proposer of set quality instead: each round the true
 token sits at rank 0 of depth 1, 2, ... while independent coin flips of probability p come up
 heads, and is out of the top-k from the first tails on, so P(accepted length >= d) = p**d
 for greedy decoding wherever the tree holds the top-ranked chain (for benchmarking a serving
@@ -26,7 +26,7 @@ from jetflow_sglang.tree import Candidates, top_candidates
 RANK_LOGITS = (12.0, 9.0, 8.5, 8.0, 7.5, 7.0, 6.5, 6.0)
 
 
-class OracleDrafter:
+class OracleProposer:
     def __init__(
         self,
         continuation: list[int],

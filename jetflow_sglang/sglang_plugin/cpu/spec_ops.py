@@ -9,7 +9,7 @@ under its own CPU engine; an out-of-tree CPU platform gets neither:
   (``kernels/ops/speculative/cache_locs.py:assign_extend_cache_locs_func``).
 * ``assign_req_to_token_pool``: the inverse write, used by
   ``mem_cache/allocation.py:alloc_for_spec_decode`` (every speculative decode
-  step's over-allocation).  No platform seam: :mod:`.hooks` wraps
+  step's over-allocation).  No platform seam: :mod:`.seams` wraps
   ``assign_req_to_token_pool_func``.
 
 ``off_i`` is the sum of the earlier rows' ``end - start`` (rows packed front to
