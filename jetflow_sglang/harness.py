@@ -160,6 +160,7 @@ class Fleet:
         ``python -m`` puts it first on the server's import path)."""
         self.target, self.work, self.dtype, self.max_total_tokens = target, work, dtype, max_total_tokens
         self.cwd = cwd
+        self._starts = 0
         self.servers: dict[str, sglang_server.Server] = {}
         self.logs: dict[str, Path] = {}
         self._clients: dict[str, Any] = {}
@@ -177,7 +178,8 @@ class Fleet:
 
     def start(self, variant: Variant, log: Optional[Path] = None) -> sglang_server.Server:
         """Start a variant and wait until it is healthy; RuntimeError with its log tail if not."""
-        self.logs[variant.name] = log or self.work / f"server{len(self.logs)}.log"
+        self.logs[variant.name] = log or self.work / f"server{self._starts}.log"
+        self._starts += 1
         server = sglang_server.start(
             self.target, self.logs[variant.name], *variant.flags, env=dict(variant.env), dtype=variant.dtype or self.dtype,
             max_total_tokens=self.max_total_tokens, cwd=variant.cwd or self.cwd,
