@@ -24,6 +24,7 @@ from pathlib import Path
 
 from jetflow_sglang import harness
 from jetflow_sglang.budget import BUDGET_ENV
+from jetflow_sglang.cli import int_list
 from jetflow_sglang.harness import PROFILE, Column, Fleet, Variant
 from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV
 
@@ -50,8 +51,9 @@ def cell_text(row: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    harness.add_args(parser, head="default", prompts="humaneval", limit=8, budgets=[16, 64])
-    parser.add_argument("--concurrency", type=harness.int_list, default=[1, 4], help="requests in flight per variant")
+    harness.add_args(parser, head="default", prompts="humaneval", limit=8)
+    parser.add_argument("--budgets", type=int_list, default=[16, 64], help="static budgets; the largest is the adaptive cap")
+    parser.add_argument("--concurrency", type=int_list, default=[1, 4], help="requests in flight per variant")
     harness.add_args(parser, rounds=1, max_new_tokens=128, dtype="auto", cost_table=None)
     parser.add_argument("--lookup-only", action="store_true",
                         help="also JETFLOW_LOOKUP=only (prompt-lookup chains alone, no head pass) at the cap")

@@ -20,13 +20,14 @@ import json
 
 from jetflow_sglang import harness
 from jetflow_sglang.budget import BUDGET_ENV
+from jetflow_sglang.cli import int_list
 from jetflow_sglang.harness import PROFILE, Column, Fleet, Variant
 from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    harness.add_args(parser, concurrency=[1, 4, 16])
+    parser.add_argument("--concurrency", type=int_list, default=[1, 4, 16], help="requests in flight, in turn")
     parser.add_argument("--output-len", type=int, default=48, help="new tokens per request (EOS ignored)")
     harness.add_args(parser, rounds=3, dtype="auto", out=None)
     args = parser.parse_args()

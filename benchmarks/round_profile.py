@@ -25,6 +25,7 @@ from pathlib import Path
 
 from jetflow_sglang import harness
 from jetflow_sglang.budget import BUDGET_ENV
+from jetflow_sglang.cli import int_list
 from jetflow_sglang.harness import PROFILE, Column, Fleet, Variant, profiles
 
 OURS = ("jetflow_sglang/", "jetflow_kernels/", "/kernels/")
@@ -129,7 +130,7 @@ def main() -> None:
     harness.add_args(parser, head="default", prompts="humaneval", limit=8)
     parser.add_argument("--budget", type=int, default=16, help="the tree budget (static), or the adaptive cap")
     parser.add_argument("--adaptive", action="store_true", help="the adaptive budget (default: static at --budget)")
-    parser.add_argument("--concurrency", type=harness.int_list, default=[1, 16], help="requests in flight, one server each")
+    parser.add_argument("--concurrency", type=int_list, default=[1, 16], help="requests in flight, one server each")
     harness.add_args(parser, max_new_tokens=128, dtype="auto")
     parser.add_argument("--sample", action="store_true", help="also sample the scheduler with py-spy (per line of our code)")
     parser.add_argument("--top", type=int, default=25, help="sampled frames to list")

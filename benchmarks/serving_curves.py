@@ -35,6 +35,7 @@ from pathlib import Path
 from jetflow_sglang import harness
 from jetflow_sglang import server as sglang_server
 from jetflow_sglang.budget import BUDGET_ENV
+from jetflow_sglang.cli import int_list
 from jetflow_sglang.harness import PROFILE, Column, Fleet, Variant, last_profile
 from jetflow_sglang.sglang_plugin.proposer import ORACLE_ACCEPT_ENV
 from jetflow_sglang.sglang_plugin.worker import ORACLE_ENV
@@ -226,9 +227,9 @@ def main() -> None:
     parser.add_argument("--head", default="default", help="default, or a head directory")
     parser.add_argument("--prompts", default="sharegpt-heldout", help="sharegpt-heldout, humaneval, or a JSON/JSONL file")
     parser.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer prompts (KV pool: --max-total-tokens)")
-    parser.add_argument("--concurrency", type=harness.int_list, default=[1, 2, 4, 8, 16], help="bench_serving --max-concurrency values")
+    parser.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16], help="bench_serving --max-concurrency values")
     parser.add_argument("--num-prompts", type=int, default=8, help="requests per run (at least 2x the concurrency)")
-    harness.add_args(parser, budgets=[16, 64])
+    parser.add_argument("--budgets", type=int_list, default=[16, 64], help="static budgets; the largest is the adaptive cap")
     parser.add_argument("--drafters", type=drafter_list, default=["head", "p=0.6", "p=0.8"],
                         help="comma list, in order: head (the --head) and/or acceptance rates p of the synthetic proposer")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens per request (ignore_eos)")

@@ -25,6 +25,7 @@ import torch
 
 from jetflow_sglang import harness
 from jetflow_sglang.budget import BUDGET_ENV, CostTable
+from jetflow_sglang.cli import int_list
 from jetflow_sglang.harness import PROFILE, Column, Fleet, Variant
 
 
@@ -32,7 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     harness.add_args(parser, head="default")
     parser.add_argument("--cap", type=int, default=256, help="largest tree size measured (the adaptive cap)")
-    harness.add_args(parser, concurrency=[1, 2, 4, 8, 16])
+    parser.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16], help="requests in flight, in turn")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="new tokens per request (EOS ignored)")
     harness.add_args(parser, dtype="auto")
     parser.add_argument("--out", default=None, help="write the cost table (JSON) here")

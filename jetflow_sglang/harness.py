@@ -35,7 +35,6 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Optional, Sequenc
 
 from jetflow_sglang import server as sglang_server
 from jetflow_sglang.budget import COST_TABLE_ENV
-from jetflow_sglang.cli import int_list
 from jetflow_sglang.prompts import Prompt, load_prompts
 
 PROFILE_MARK = "JETFLOW profile "
@@ -76,8 +75,6 @@ _ARGS: dict[str, tuple[Any, str]] = {
     "prompts": (str, "demo, humaneval, sharegpt-heldout, or a JSON/JSONL file"),
     "limit": (int, "first N prompts of the set"),
     "budget": (int, "tree nodes per round (--speculative-num-draft-tokens); adaptive: the cap"),
-    "budgets": (int_list, "static budgets, comma-separated; the largest is the adaptive cap"),
-    "concurrency": (int_list, "requests in flight, comma-separated, in turn"),
     "rounds": (int, "interleaved repeats over every variant; medians are reported"),
     "max_new_tokens": (int, "new tokens per prompt"),
     "cost_table": (str, "JETFLOW_COST_TABLE of the adaptive server (benchmarks/verify_cost.py)"),

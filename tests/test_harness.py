@@ -44,9 +44,9 @@ def test_write_json_makes_the_folder_and_leaves_no_partial(tmp_path):
 
 
 def test_add_args_shares_flags_with_defaults_and_help():
-    parser = harness.add_args(argparse.ArgumentParser(), head="default", concurrency=[1, 4], dtype="auto", out=None)
-    args = parser.parse_args(["--concurrency", "2,8", "--dtype", "bfloat16"])
-    assert (args.head, args.concurrency, args.dtype, args.out) == ("default", [2, 8], "bfloat16", None)
+    parser = harness.add_args(argparse.ArgumentParser(), head="default", limit=8, dtype="auto", out=None)
+    args = parser.parse_args(["--limit", "3", "--dtype", "bfloat16"])
+    assert (args.head, args.limit, args.dtype, args.out) == ("default", 3, "bfloat16", None)
     assert all(action.help for action in parser._actions)
     with pytest.raises(SystemExit):
         parser.parse_args(["--dtype", "float16"])
