@@ -78,7 +78,9 @@ def main() -> None:
         fleet.warm_up(prompts[0])
 
         def measure(name: str, concurrency: int) -> dict:
-            return fleet.batch(name, prompts, concurrency, max_new_tokens=args.max_new_tokens)
+            run = fleet.batch(name, prompts, concurrency, max_new_tokens=args.max_new_tokens)
+            print(json.dumps({"variant": name, "concurrency": concurrency, "tokens_per_s": round(run["tokens_per_s"], 2)}), flush=True)
+            return run
 
         runs = harness.interleave(args.rounds, args.concurrency, fleet.names, measure)
         rows = []
@@ -89,7 +91,6 @@ def main() -> None:
                 rows.append({"variant": name, "concurrency": concurrency, "tokens_per_s": round(speed, 2),
                              "vs_target": round(speed / base, 3), **harness.medians(results, ["tau"]),
                              "identical": all(r["texts"] == by_name["target"][0]["texts"] for r in results)})  # fmt: skip
-                print(json.dumps(rows[-1]), flush=True)
         # Each JETFLOW server's last profile: mean milliseconds per decode round by phase (draft, tree,
         # verify, ...), so adaptive and static rounds are compared in cost, not only in size.
         profiles = {name: fleet.profile(name) or {} for name in fleet.names if name != "target"}

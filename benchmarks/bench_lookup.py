@@ -42,12 +42,8 @@ def main() -> None:
         fleet.start(Variant.jetflow("head", head_dir, args.budget, env={LOOKUP_ENV: "0", **static}), work / "head.log")
         fleet.start(Variant.jetflow("head+lookup", head_dir, args.budget, env={LOOKUP_ENV: "1", **static}), work / "lookup.log")
         fleet.warm_up(prompts[0])
-
-        def measure(name: str, prompt) -> dict:
-            return fleet.request(name, prompt, max_new_tokens=args.max_new_tokens)
-
-        for prompt, by_name in zip(prompts, harness.interleave(1, prompts, VARIANTS, measure)):
-            results = {name: runs[0] for name, runs in by_name.items()}
+        for prompt in prompts:  # each prompt to each server in turn
+            results = {name: fleet.request(name, prompt, max_new_tokens=args.max_new_tokens) for name in VARIANTS}
             row = {"id": prompt.id, "kind": prompt.kind, "tokens": results["ar"]["tokens"]}
             for name in VARIANTS:
                 row[f"{name}_tokens_per_s"] = results[name]["tokens_per_s"]

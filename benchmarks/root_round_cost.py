@@ -42,14 +42,15 @@ def main() -> None:
         fleet.start(Variant.jetflow("root only", head_dir, 1, env=root_only), work / "jetflow.log")
 
         def measure(name: str, concurrency: int) -> float:
-            return fleet.batch(name, prompts[concurrency], concurrency, max_new_tokens=args.output_len, ignore_eos=True)["tokens_per_s"]
+            run = fleet.batch(name, prompts[concurrency], concurrency, max_new_tokens=args.output_len, ignore_eos=True)
+            print(json.dumps({"variant": name, "concurrency": concurrency, "tokens_per_s": round(run["tokens_per_s"], 2)}), flush=True)
+            return run["tokens_per_s"]
 
         rows = []
         for concurrency, speeds in zip(args.concurrency, harness.interleave(args.rounds, args.concurrency, fleet.names, measure)):
             target_speed, root_speed = (harness.median(speeds[n]) for n in ("target", "root only"))
             rows.append({"concurrency": concurrency, "target_tokens_per_s": round(target_speed, 2),
                          "root_only_tokens_per_s": round(root_speed, 2), "ratio": round(root_speed / target_speed, 3)})  # fmt: skip
-            print(json.dumps(rows[-1]), flush=True)
         profile = fleet.profile("root only")
     columns = [Column("c", "concurrency", width=4), Column("target tok/s", "target_tokens_per_s", ".1f", 13),
                Column("root-only tok/s", "root_only_tokens_per_s", ".1f", 16), Column("ratio", "ratio", ".3f", 7)]  # fmt: skip

@@ -29,7 +29,7 @@ from typing import Callable, Optional
 from jetflow_sglang.budget import BUDGET_ENV
 from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.explain import EXACT_CHECK, NEAR_TIE, NEAR_TIE_GAP, REPRODUCED
-from jetflow_sglang.harness import PROFILE, Fleet, Variant, bench_prompts, interleave, work_dir, write_json
+from jetflow_sglang.harness import PROFILE, Fleet, Variant, bench_prompts, work_dir, write_json
 from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV
 
 
@@ -108,10 +108,8 @@ def run_bench(config: BenchConfig, echo: Callable[[str], None] = print) -> dict:
         except RuntimeError as exc:
             raise JetFlowError(f"{str(exc).splitlines()[0]} (server logs in {work})") from None
         fleet.warm_up()
-        for number, (prompt, runs) in enumerate(
-            zip(prompts, interleave(1, prompts, fleet.names, lambda name, p: fleet.request(name, p, **options))), 1
-        ):
-            ar, spec = runs["ar"][0], runs["jetflow"][0]
+        for number, prompt in enumerate(prompts, 1):
+            ar, spec = (fleet.request(name, prompt, **options) for name in ("ar", "jetflow"))
             row = {
                 "id": prompt.id,
                 "kind": prompt.kind,

@@ -127,3 +127,47 @@ def test_plot_lines_writes_a_png(tmp_path):
                                                                           "target alone": ([1, 4], [12.0, 40.0])}},
                               "concurrent requests", "output tokens/s", dashed=["target alone"])  # fmt: skip
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class FakeFleet:
+    """A `Fleet` whose two servers answer every prompt alike, the JETFLOW one twice as fast."""
+
+    def __init__(self, target, work, dtype, *args, **kwargs) -> None:
+        self.names, self.servers, self.started = [], {}, []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.names = []
+
+    def start(self, variant, log=None):
+        self.names.append(variant.name)
+        self.started.append(variant)
+
+    def warm_up(self, *args, **kwargs):
+        pass
+
+    def request(self, name, prompt, **options):
+        speed = 20.0 if name == "jetflow" else 10.0
+        return {"text": prompt.id, "ids": [1, 2], "prompt_ids": [0], "stop": None, "tokens": 8, "seconds": 8 / speed,
+                "tokens_per_s": speed, "tau": 2.0 if name == "jetflow" else None}  # fmt: skip
+
+    def profile(self, name):
+        return None
+
+
+def test_jetflow_bench_report_keeps_its_keys(monkeypatch, tmp_path):
+    from jetflow_sglang import bench
+
+    monkeypatch.setattr(bench, "Fleet", FakeFleet)
+    monkeypatch.setattr(harness, "resolve", lambda target, head: ("/target", "/head"))
+    out = tmp_path / "bench.json"
+    config = bench.BenchConfig(prompts="demo", limit=2, dtype="float32", out=str(out))
+    report = bench.run_bench(config, echo=lambda line: None)
+    assert set(report) == {"config", "head_dir", "summary", "requests", "profile"}
+    assert report["summary"]["speedup"] == 2.0 and report["summary"]["all_identical"] and report["summary"]["median_tau"] == 2.0
+    assert [set(r) for r in report["requests"]] == [{"id", "kind", "tokens", "ar_tokens_per_s", "jetflow_tokens_per_s", "speedup",
+                                                    "tau", "identical"}] * 2  # fmt: skip
+    assert json.loads(out.read_text()) == report
+    assert "PASSED" in bench.format_table(report)
