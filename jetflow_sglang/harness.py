@@ -194,7 +194,7 @@ class Fleet:
             self.servers.pop(key).stop()
             self._clients.pop(key, None)
 
-    def client(self, name: str):
+    def client(self, name: str) -> Any:
         """The OpenAI client of a variant's server (no retries, an hour's timeout)."""
         if name not in self._clients:
             from openai import OpenAI
@@ -230,7 +230,7 @@ class Fleet:
 # --- requests -----------------------------------------------------------------------------------
 
 
-def request(client, model: str, prompt: Prompt, *, max_new_tokens: int = 256, ignore_eos: bool = False) -> dict:
+def request(client: Any, model: str, prompt: Prompt, *, max_new_tokens: int = 256, ignore_eos: bool = False) -> dict:
     """One greedy request: its text, token ids (the prompt's too) and the stop token it ended on
     (SGLang's ``matched_stop`` when an id), tokens/s, and tau from ``spec_tokens_details``. Chat
     prompts go to ``/v1/chat/completions``, code prompts to ``/v1/completions``."""
@@ -266,7 +266,7 @@ def request(client, model: str, prompt: Prompt, *, max_new_tokens: int = 256, ig
     }
 
 
-def batch(client, model: str, prompts: Sequence[Prompt], concurrency: int, **options: Any) -> dict:
+def batch(client: Any, model: str, prompts: Sequence[Prompt], concurrency: int, **options: Any) -> dict:
     """Every prompt through `request`, `concurrency` in flight: output tokens/s over the wall
     time, the median tau, the texts in prompt order, and each request's result."""
     start = time.perf_counter()
