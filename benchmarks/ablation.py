@@ -17,18 +17,18 @@ import json
 import sys
 from pathlib import Path
 
+from jetflow_sglang import harness
 from jetflow_sglang.training.recipe import EVAL_SETS, RecipeConfig, Stages, _data_dirs, _eval_dtype
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", default="out/ablation")
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--budget", type=int, default=64)
-    parser.add_argument("--limit", type=int, default=10, help="prompts per eval set")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--work", default="out/ablation", help="heads, eval results and stage records (rerun to resume)")
+    parser.add_argument("--steps", type=int, default=100, help="training steps per loss")
+    parser.add_argument("--budget", type=int, default=64, help="tree budget of every eval")
+    harness.add_args(parser, limit=10, max_new_tokens=64)
     parser.add_argument("--refresh-head", default=None, help="also compare refresh vs one-pass for this head")
-    parser.add_argument("--out", default=None, help="write the JSON report here")
+    harness.add_args(parser, out=None)
     args = parser.parse_args(argv)
     recipe = RecipeConfig()
     work = Path(args.work)
@@ -65,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"steps": args.steps, "budget": args.budget, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
               "rows": rows, "stage_seconds": {k: v["seconds"] for k, v in stages.record["stages"].items()}}
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        harness.write_json(args.out, report, indent=1)
     return 0
 
 

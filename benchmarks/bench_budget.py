@@ -7,9 +7,10 @@ in the SGLang server, at several concurrencies, greedy.
 
 One server per variant, all up at once on 127.0.0.1 (--max-total-tokens 8192): the target alone,
 JETFLOW at each static budget, JETFLOW adaptive with the largest budget as its cap, and with
---lookup-only JETFLOW verifying prompt-lookup chains alone (no head pass). For each
-concurrency c the prompt set goes to each variant in turn (c requests in flight at a time), so
-all variants see the same machine state; a run repeats --rounds times and the median is kept.
+--lookup-only JETFLOW verifying prompt-lookup chains alone (no head pass). Each of --rounds
+rounds goes over the concurrencies in turn; at each concurrency c the prompt set goes to each
+variant in turn (c requests in flight at a time), so all variants see the same machine state;
+each cell reports its median over the rounds (`jetflow_sglang.harness.interleave`).
 Prints output tokens/s per variant and concurrency, the ratio to the target alone, median tau,
 whether every output equals the target's, and the tree sizes the adaptive policy chose; writes
 JSON.
@@ -19,56 +20,41 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import tempfile
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from jetflow_sglang import server as sglang_server
-from jetflow_sglang.assets import head_dir_for, resolve_target
+from jetflow_sglang import harness
+from jetflow_sglang.budget import BUDGET_ENV
 from jetflow_sglang.cli import int_list
-from jetflow_sglang.budget import BUDGET_ENV, COST_TABLE_ENV
-from jetflow_sglang.served import BenchConfig, last_profile, _request, bench_prompts
+from jetflow_sglang.harness import PROFILE, Column, Fleet, Variant
 from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV
-from jetflow_sglang.target import serving_dtype
 
 
-def _run(client, model: str, prompts: list, config: BenchConfig, concurrency: int) -> dict:
-    start = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda p: _request(client, model, p, config), prompts))
-    seconds = time.perf_counter() - start
-    tokens = sum(r["tokens"] for r in results)
-    taus = [r["tau"] for r in results if r["tau"] is not None]
-    return {"tokens_per_s": tokens / seconds, "tau": statistics.median(taus) if taus else None,
-            "texts": [r["text"] for r in results]}  # fmt: skip
+def variants(args: argparse.Namespace, head_dir: str, work: Path) -> list[Variant]:
+    cap = max(args.budgets)
+    static = {BUDGET_ENV: "static", **PROFILE}
+    out = [Variant("target")]
+    out += [Variant.jetflow(f"static {b}", head_dir, b, env=static) for b in ([] if args.no_static else args.budgets)]
+    out.append(Variant.jetflow(f"adaptive (cap {cap})", head_dir, cap, env={**PROFILE, **harness.cost_env(args.cost_table)}))
+    for name, spec in (item.split("=", 1) for item in args.also_head):
+        out.append(Variant.jetflow(f"adaptive (cap {cap}, {name})", harness.resolve("default", spec)[1], cap, env=PROFILE))
+    if args.lookup_only:
+        out.append(Variant.jetflow("lookup only", head_dir, cap, env={**static, LOOKUP_ENV: "only"}))
+    if args.baseline:
+        code = harness.baseline_code(Path(args.baseline), work)
+        out += [v.on(code, work / "baseline-costs") for v in out if v.name != "target"]
+    return out
 
 
-def baseline_code(checkout: Path, work: Path) -> Path:
-    """A folder whose jetflow_sglang and jetflow_kernels are the checkout's (PYTHONPATH and the
-    launcher's directory put it ahead of the installed package)."""
-    if not (checkout / "jetflow_sglang").is_dir() or not (checkout / "kernels").is_dir():
-        raise SystemExit(f"--baseline: {checkout} is not a checkout of this project")
-    code = work / "baseline-code"
-    code.mkdir()
-    (code / "jetflow_sglang").symlink_to(checkout.resolve() / "jetflow_sglang")
-    (code / "jetflow_kernels").symlink_to(checkout.resolve() / "kernels")
-    return code
+def cell_text(row: dict) -> str:
+    return f"{row['tokens_per_s']:.1f} tok/s {row['vs_target']:>5.2f}x{'' if row['identical'] else '*':1}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--head", default="default", help="default, random, or a head directory")
-    parser.add_argument("--prompts", default="humaneval", help="demo, humaneval, sharegpt-heldout, or a JSON/JSONL file")
-    parser.add_argument("--limit", type=int, default=8, help="first N prompts of the set")
+    harness.add_args(parser, head="default", prompts="humaneval", limit=8)
     parser.add_argument("--budgets", type=int_list, default=[16, 64], help="static budgets; the largest is the adaptive cap")
     parser.add_argument("--concurrency", type=int_list, default=[1, 4], help="requests in flight per variant")
-    parser.add_argument("--rounds", type=int, default=1, help="repeat each measurement; medians are reported")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="dtype of every server (auto: bf16 where its matmuls are native, else float32)")
-    parser.add_argument("--cost-table", default=None, help="JETFLOW_COST_TABLE of the adaptive server (benchmarks/verify_cost.py)")
+    harness.add_args(parser, rounds=1, max_new_tokens=128, dtype="auto", cost_table=None)
     parser.add_argument("--lookup-only", action="store_true",
                         help="also JETFLOW_LOOKUP=only (prompt-lookup chains alone, no head pass) at the cap")
     parser.add_argument("--also-head", action="append", default=[], metavar="NAME=SPEC",
@@ -77,90 +63,53 @@ def main() -> None:
     parser.add_argument("--baseline", default=None, metavar="CHECKOUT",
                         help="another checkout of this project (e.g. a git worktree of main): every JETFLOW variant also "
                              "runs on its code, interleaved, labelled 'baseline'")
-    parser.add_argument("--out", default=None, help="write the JSON report here")
+    harness.add_args(parser, out=None)
     args = parser.parse_args()
     if any("=" not in item for item in args.also_head):
         parser.error("--also-head takes NAME=SPEC")
-    args.dtype = serving_dtype(args.dtype)
+    args.dtype = harness.serving_dtype(args.dtype)
 
-    config = BenchConfig(head=args.head, prompts=args.prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
-                         dtype=args.dtype)  # fmt: skip
-    prompts = bench_prompts(config.prompts, config.limit)
-    target = resolve_target("default")
-    head_dir = str(head_dir_for(config.head, target))
-    work = Path(tempfile.mkdtemp(prefix="jetflow-budget-bench-"))
-    cap = max(args.budgets)
-    variants = {"target": ([], {})}
-    for budget in [] if args.no_static else args.budgets:
-        variants[f"static {budget}"] = (sglang_server.jetflow_args(head_dir, budget), {BUDGET_ENV: "static", "JETFLOW_PROFILE": "1"})
-    variants[f"adaptive (cap {cap})"] = (sglang_server.jetflow_args(head_dir, cap),
-                                         {"JETFLOW_PROFILE": "1", **({COST_TABLE_ENV: args.cost_table} if args.cost_table else {})})  # fmt: skip
-    for name, spec in (item.split("=", 1) for item in args.also_head):
-        variants[f"adaptive (cap {cap}, {name})"] = (sglang_server.jetflow_args(str(head_dir_for(spec, target)), cap),
-                                                     {"JETFLOW_PROFILE": "1"})  # fmt: skip
-    if args.lookup_only:
-        variants["lookup only"] = (sglang_server.jetflow_args(head_dir, cap),
-                                   {LOOKUP_ENV: "only", BUDGET_ENV: "static", "JETFLOW_PROFILE": "1"})  # fmt: skip
-    cwds: dict[str, str] = {}
-    if args.baseline:
-        code = baseline_code(Path(args.baseline), work)
-        for name, (extra, env) in list(variants.items()):
-            if name != "target":
-                # its own measured-cost folder: the two codes' adaptive servers share no costs
-                variants[f"{name} baseline"] = (extra, {**env, "PYTHONPATH": str(code), "JETFLOW_COST_CACHE": str(work / "baseline-costs")})
-                cwds[f"{name} baseline"] = str(code)
-    servers, logs = {}, {}
-    table = {}
-    try:
-        for i, (name, (extra, env)) in enumerate(variants.items()):
-            logs[name] = work / f"server{i}.log"
-            servers[name] = sglang_server.start(str(target), logs[name], *extra, dtype=config.dtype, env=env,
-                                                cwd=cwds.get(name, str(work)))  # fmt: skip
-        from openai import OpenAI
+    prompts = harness.bench_prompts(args.prompts, args.limit)
+    target, head_dir = harness.resolve("default", args.head)
+    work = harness.work_dir("budget-bench")
+    adaptive = f"adaptive (cap {max(args.budgets)})"
+    with Fleet(target, work, args.dtype, cwd=str(work)) as fleet:
+        fleet.start_all(variants(args, head_dir, work))
+        fleet.warm_up(prompts[0])
 
-        clients = {n: OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=3600) for n, s in servers.items()}
-        model = clients["target"].models.list().data[0].id
-        for client in clients.values():
-            _request(client, model, prompts[0], BenchConfig(max_new_tokens=8))  # warm-up
-        for concurrency in args.concurrency:
-            runs = {name: [] for name in variants}
-            for _ in range(args.rounds):
-                for name in variants:
-                    runs[name].append(_run(clients[name], model, prompts, config, concurrency))
-            base = statistics.median(r["tokens_per_s"] for r in runs["target"])
-            for name, rs in runs.items():
-                speed = statistics.median(r["tokens_per_s"] for r in rs)
-                taus = [r["tau"] for r in rs if r["tau"] is not None]
-                row = {"variant": name, "concurrency": concurrency, "tokens_per_s": round(speed, 2),
-                       "vs_target": round(speed / base, 3), "tau": round(statistics.median(taus), 3) if taus else None,
-                       "identical": all(r["texts"] == runs["target"][0]["texts"] for r in rs)}  # fmt: skip
-                table[(name, concurrency)] = row
-                print(json.dumps(row), flush=True)
-    finally:
-        for server in servers.values():
-            server.stop()
-    adaptive_name = f"adaptive (cap {cap})"
-    # Each JETFLOW server's last profile: mean milliseconds per decode round by phase (draft, tree,
-    # verify, ...), so adaptive and static rounds are compared in cost, not only in size.
-    profiles = {name: last_profile(logs[name]) or {} for name in variants if name != "target"}
-    profile = profiles[adaptive_name] or None
+        def measure(name: str, concurrency: int) -> dict:
+            run = fleet.batch(name, prompts, concurrency, max_new_tokens=args.max_new_tokens)
+            print(json.dumps({"variant": name, "concurrency": concurrency, "tokens_per_s": round(run["tokens_per_s"], 2)}), flush=True)
+            return run
+
+        runs = harness.interleave(args.rounds, args.concurrency, fleet.names, measure)
+        rows = []
+        for concurrency, by_name in zip(args.concurrency, runs):
+            base = harness.median(r["tokens_per_s"] for r in by_name["target"])
+            for name, results in by_name.items():
+                speed = harness.median(r["tokens_per_s"] for r in results)
+                rows.append({"variant": name, "concurrency": concurrency, "tokens_per_s": round(speed, 2),
+                             "vs_target": round(speed / base, 3), **harness.medians(results, ["tau"]),
+                             "identical": all(r["texts"] == by_name["target"][0]["texts"] for r in results)})  # fmt: skip
+        # Each JETFLOW server's last profile: mean milliseconds per decode round by phase (draft, tree,
+        # verify, ...), so adaptive and static rounds are compared in cost, not only in size.
+        profiles = {name: fleet.profile(name) or {} for name in fleet.names if name != "target"}
+    profile = profiles[adaptive] or None
     chosen = (profile or {}).get("tree_sizes", {}).get("chosen")
-    print(f"\n{'variant':<30}" + "".join(f"{'c=' + str(c):>22}" for c in args.concurrency)
-          + f"   ({len(prompts)} {args.prompts} prompts, {args.max_new_tokens} new tokens, {args.dtype})")  # fmt: skip
-    for name in variants:
-        cells = [table[(name, c)] for c in args.concurrency]
-        print(f"{name:<30}" + "".join(
-            f"{c['tokens_per_s']:>9.1f} tok/s {c['vs_target']:>5.2f}x{'' if c['identical'] else '*':1}" for c in cells))
+    table = {}
+    for row in rows:
+        table.setdefault(row["variant"], {"variant": row["variant"]})[row["concurrency"]] = row
+    columns = [Column("variant", "variant", width=30, left=True),
+               *(Column(f"c={c}", lambda line, c=c: cell_text(line[c]), width=21) for c in args.concurrency)]
+    print("\n" + harness.format_table(columns, table.values(), f"{len(prompts)} {args.prompts} prompts, "
+                                      f"{args.max_new_tokens} new tokens, {args.dtype}"))  # fmt: skip
     print(f"adaptive sizes chosen (rounds): {chosen}   (* = output differs from the target's)")
     phases = {name: p.get("ms_per_round") for name, p in profiles.items()}
     for name, ms in phases.items():
         print(f"{name:<30} ms per round: {ms}")
     if args.out:
-        report = {"config": {k: v for k, v in vars(args).items()}, "head": Path(head_dir).name,
-                  "rows": list(table.values()), "adaptive_chosen": chosen, "adaptive_profile": profile,
-                  "ms_per_round": phases}  # fmt: skip
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        harness.write_json(args.out, {"config": vars(args), "head": Path(head_dir).name, "rows": rows, "adaptive_chosen": chosen,
+                                      "adaptive_profile": profile, "ms_per_round": phases})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -19,101 +19,94 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import tempfile
 from pathlib import Path
 
-from jetflow_sglang import server as sglang_server
+from jetflow_sglang import harness
 from jetflow_sglang.assets import resolve_target
+from jetflow_sglang.budget import BUDGET_ENV
+from jetflow_sglang.harness import Column, Fleet, Variant
 from jetflow_sglang.head import JetFlowHead
 from jetflow_sglang.published import is_published_config
-from jetflow_sglang.budget import BUDGET_ENV
-from jetflow_sglang.served import BenchConfig, _request, bench_prompts
+
+HEAD_ALONE = {"JETFLOW_LOOKUP": "0", BUDGET_ENV: "static"}  # no prompt-lookup branch, as DFLASH drafts
 
 
-def variants(head: str, block_size: int, budgets: list[int]) -> dict[str, list[str]]:
-    spec = ["--speculative-draft-model-path", head]
-    out = {
-        "target": [],
-        "dflash": ["--speculative-algorithm", "DFLASH", *spec, "--speculative-num-draft-tokens", str(block_size)],
-        "jetflow-chain": [*sglang_server.jetflow_args(head, block_size), "--speculative-eagle-topk", "1"],
-    }
-    out.update({f"jetflow-{b}": sglang_server.jetflow_args(head, b) for b in budgets})
-    return out
+def variants(head: str, block_size: int, budgets: list[int]) -> list[Variant]:
+    dflash = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", head,
+              "--speculative-num-draft-tokens", str(block_size)]  # fmt: skip
+    return [
+        Variant("target", env=HEAD_ALONE),
+        Variant("dflash", tuple(dflash), HEAD_ALONE),
+        Variant.jetflow("jetflow-chain", head, block_size, "--speculative-eagle-topk", "1", env=HEAD_ALONE),
+        *(Variant.jetflow(f"jetflow-{b}", head, b, env=HEAD_ALONE) for b in budgets),
+    ]
 
 
-def run_variant(target: str, args: list[str], log: Path, prompts, config: BenchConfig, dtype: str) -> dict:
-    from openai import OpenAI
-
+def run_variant(fleet: Fleet, variant: Variant, prompts: list, max_new_tokens: int) -> dict:
+    """One variant's server up alone: every prompt once, or the reason the platform refused it."""
     try:
-        server = sglang_server.start(target, log, *args, dtype=dtype, env={"JETFLOW_LOOKUP": "0", BUDGET_ENV: "static"})
+        fleet.start(variant)
     except RuntimeError as exc:
-        lines = [line for line in str(exc).splitlines() if "not supported" in line or "Error" in line]
-        return {"refused": (lines[-1] if lines else str(exc).splitlines()[0]).strip()}
+        return {"refused": harness.refusal(exc)}
     try:
-        client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=3600)
-        model = client.models.list().data[0].id
-        _request(client, model, prompts[0], BenchConfig(max_new_tokens=8))  # warm-up
-        return {"requests": [_request(client, model, prompt, config) for prompt in prompts]}
+        fleet.warm_up(prompts[0])
+        return {"requests": [fleet.request(variant.name, prompt, max_new_tokens=max_new_tokens) for prompt in prompts]}
     finally:
-        server.stop()
+        fleet.stop(variant.name)
+
+
+def summarize(results: list[dict], baseline: list[dict]) -> dict:
+    """A variant's medians over rounds of its per-round medians against the target's same round."""
+    if "refused" in results[0]:
+        return {"refused": results[0]["refused"]}
+    per_round = []
+    for result, base in zip(results, baseline):
+        pairs = list(zip(result["requests"], base["requests"]))
+        per_round.append({
+            "tokens_per_s": harness.median(r["tokens_per_s"] for r, _ in pairs),
+            "speedup": harness.median(r["tokens_per_s"] / b["tokens_per_s"] for r, b in pairs),
+            "tau": harness.median(r["tau"] for r, _ in pairs),
+            "identical": sum(r["text"] == b["text"] for r, b in pairs) / len(pairs),
+        })  # fmt: skip
+    return harness.medians(per_round, per_round[0], digits=None)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="default", help="default or a HF model directory")
+    harness.add_args(parser, target="default")
     parser.add_argument("--head", required=True, help="a head directory in the published DFlash layout")
-    parser.add_argument("--prompts", default="humaneval", help="demo, humaneval, sharegpt-heldout, or a JSON/JSONL file")
-    parser.add_argument("--limit", type=int, default=8, help="first N prompts of the set")
+    harness.add_args(parser, prompts="humaneval", limit=8)
     parser.add_argument("--budgets", default="16,64,256", help="JETFLOW tree budgets, comma-separated")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="dtype of every server")
+    harness.add_args(parser, max_new_tokens=128, dtype="bfloat16")
     parser.add_argument("--rounds", type=int, default=1, help="repeat the cycle over all variants; medians are reported")
-    parser.add_argument("--out", default=None, help="write the JSON report here")
+    harness.add_args(parser, out=None)
     args = parser.parse_args()
+    args.dtype = harness.serving_dtype(args.dtype)
 
     head = JetFlowHead.load(args.head)  # a clear error for a head that is not loadable
     if not is_published_config(json.loads((Path(args.head) / "config.json").read_text())):
         parser.error("--head must be in the published DFlash layout (jetflow export writes it)")
     target = str(resolve_target(args.target))
-    prompts = bench_prompts(args.prompts, args.limit)
-    config = BenchConfig(max_new_tokens=args.max_new_tokens)
-    work = Path(tempfile.mkdtemp(prefix="jetflow-race-"))
-    runs: dict[str, list[dict]] = {}
-    for round_index in range(args.rounds):
-        for name, flags in variants(args.head, head.config.block_size, [int(b) for b in args.budgets.split(",")]).items():
-            result = run_variant(target, flags, work / f"{name}-{round_index}.log", prompts, config, args.dtype)
-            runs.setdefault(name, []).append(result)
-            print(json.dumps({"round": round_index, "variant": name, **({"refused": result["refused"]} if "refused" in result else {})}), flush=True)
+    prompts = harness.bench_prompts(args.prompts, args.limit)
+    by_name = {v.name: v for v in variants(args.head, head.config.block_size, [int(b) for b in args.budgets.split(",")])}
+    with Fleet(target, harness.work_dir("race"), args.dtype) as fleet:
 
-    baseline = runs["target"]
-    summary = {}
-    for name, results in runs.items():
-        if "refused" in results[0]:
-            summary[name] = {"refused": results[0]["refused"]}
-            continue
-        per_round = []
-        for result, base in zip(results, baseline):
-            pairs = list(zip(result["requests"], base["requests"]))
-            per_round.append({
-                "tokens_per_s": statistics.median(r["tokens_per_s"] for r, _ in pairs),
-                "speedup": statistics.median(r["tokens_per_s"] / b["tokens_per_s"] for r, b in pairs),
-                "tau": statistics.median(r["tau"] for r, _ in pairs) if pairs[0][0]["tau"] is not None else None,
-                "identical": sum(r["text"] == b["text"] for r, b in pairs) / len(pairs),
-            })  # fmt: skip
-        summary[name] = {key: (statistics.median(r[key] for r in per_round) if per_round[0][key] is not None else None)
-                         for key in per_round[0]}  # fmt: skip
-    print(f"\n{'variant':<15} {'tokens/s':>9} {'speedup':>8} {'tau':>6} {'identical':>10}   "
-          f"({len(prompts)} {args.prompts} prompts, {args.dtype}, {args.rounds} round(s))")  # fmt: skip
+        def measure(name: str, _cell: object) -> dict:
+            result = run_variant(fleet, by_name[name], prompts, args.max_new_tokens)
+            print(json.dumps({"variant": name, **({"refused": result["refused"]} if "refused" in result else {})}), flush=True)
+            return result
+
+        runs = harness.interleave(args.rounds, ["all"], list(by_name), measure)[0]
+    summary = {name: summarize(results, runs["target"]) for name, results in runs.items()}
+    columns = [Column("variant", "name", width=15, left=True), Column("tokens/s", "tokens_per_s", ".2f", 9),
+               Column("speedup", "speedup", ".3f", 8), Column("tau", "tau", ".2f", 6), Column("identical", "identical", ".0%")]  # fmt: skip
+    title = f"{len(prompts)} {args.prompts} prompts, {args.dtype}, {args.rounds} round(s)"
+    print("\n" + harness.format_table(columns, [{"name": n, **row} for n, row in summary.items() if "refused" not in row], title))
     for name, row in summary.items():
         if "refused" in row:
             print(f"{name:<15} refused: {row['refused']}")
-            continue
-        tau = f"{row['tau']:.2f}" if row["tau"] is not None else "-"
-        print(f"{name:<15} {row['tokens_per_s']:>9.2f} {row['speedup']:>7.3f}x {tau:>6} {row['identical']:>10.0%}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"config": vars(args), "summary": summary, "runs": runs}, indent=2))
+        harness.write_json(args.out, {"config": vars(args), "summary": summary, "runs": runs})
 
 
 if __name__ == "__main__":

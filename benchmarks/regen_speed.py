@@ -13,12 +13,11 @@ answers token-identical to the first backend's (greedy; fp32 keeps near-ties apa
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
+from jetflow_sglang import harness
 from jetflow_sglang.assets import resolve_target
 from jetflow_sglang.target import check_model_dir, encode_prompt, serving_dtype
 from jetflow_sglang.prompts import load_prompts
@@ -31,11 +30,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64, help="how many ShareGPT train-split prompts")
     parser.add_argument("--skip", type=int, default=4500, help="pass over the first N prompts (the shipped head's data)")
     parser.add_argument("--batch-size", type=int, default=64, help="prompts per backend call")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap")
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts (as regenerate does)")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds over all backends (median reported)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="target dtype")
-    parser.add_argument("--out", default=None, help="write the JSON report here")
+    harness.add_args(parser, max_new_tokens=256, rounds=2, out=None)
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -50,16 +47,17 @@ def main() -> None:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     names = args.backends.split(",")
     backends = {name: make_backend(name, target_dir, dtype) for name in names}
-    seconds: dict[str, list[float]] = {name: [] for name in names}
     answers: dict[str, list[list[int]]] = {}
+
+    def measure(name: str, _cell: object) -> float:
+        start, got = time.perf_counter(), []
+        for batch in batches:
+            got += backends[name].generate(batch, config, pad_id)
+        answers[name] = got
+        return time.perf_counter() - start
+
     try:
-        for _ in range(args.rounds):
-            for name, backend in backends.items():
-                start, got = time.perf_counter(), []
-                for batch in batches:
-                    got += backend.generate(batch, config, pad_id)
-                seconds[name].append(time.perf_counter() - start)
-                answers[name] = got
+        seconds = harness.interleave(args.rounds, ["all"], names, measure)[0]
     finally:
         for backend in backends.values():
             backend.close()
@@ -79,7 +77,7 @@ def main() -> None:
         print(f"| {row['backend']} | {row['tokens_per_s']:.1f} | {row['ratio']:.2f}x | {row['identical_to_' + reference]:.0%} |")
     if args.out:
         report = {"args": vars(args), "dtype": dtype, "machine": platform.processor() or platform.machine(), "rows": rows}
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        harness.write_json(args.out, report, indent=1)
 
 
 if __name__ == "__main__":

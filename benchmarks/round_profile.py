@@ -17,22 +17,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import shutil
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from jetflow_sglang import server as sglang_server
-from jetflow_sglang.assets import head_dir_for, resolve_target
+from jetflow_sglang import harness
 from jetflow_sglang.budget import BUDGET_ENV
 from jetflow_sglang.cli import int_list
-from jetflow_sglang.served import PROFILE_MARK, BenchConfig, _request, bench_prompts
-from jetflow_sglang.target import serving_dtype
+from jetflow_sglang.harness import PROFILE, Column, Fleet, Variant, profiles
 
 OURS = ("jetflow_sglang/", "jetflow_kernels/", "/kernels/")
 
@@ -40,12 +34,6 @@ OURS = ("jetflow_sglang/", "jetflow_kernels/", "/kernels/")
 def py_spy() -> str | None:
     """py-spy beside this interpreter (the venv's bin/), else on PATH."""
     return shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
-
-
-def profiles(log: Path) -> list[dict]:
-    """Every cumulative profile line the worker logged, oldest first."""
-    lines = [line for line in log.read_text(errors="replace").splitlines() if PROFILE_MARK in line]
-    return [json.loads(line.split(PROFILE_MARK, 1)[1]) for line in lines]
 
 
 def phase_totals(profile: dict) -> dict[str, float]:
@@ -91,19 +79,14 @@ def sampled_lines(raw: Path, top: int) -> dict[str, list[dict]]:
             for name, counts in views.items()}
 
 
-def run_at(target, head_dir: str, args, prompts: list, concurrency: int, work: Path) -> dict:
-    log = work / f"server_c{concurrency}.log"
-    env = {"JETFLOW_PROFILE": "1", **({} if args.adaptive else {BUDGET_ENV: "static"})}
-    extra = [*sglang_server.jetflow_args(head_dir, args.budget), "--max-running-requests", str(max(concurrency, 1))]
-    server = sglang_server.start(str(target), log, *extra, dtype=args.dtype, env=env)
-    try:
-        from openai import OpenAI
-
-        client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=3600)
-        model = client.models.list().data[0].id
-        config = BenchConfig(max_new_tokens=args.max_new_tokens, dtype=args.dtype)
+def run_at(target: str, head_dir: str, args: argparse.Namespace, prompts: list, concurrency: int, work: Path) -> dict:
+    env = {**PROFILE, **({} if args.adaptive else {BUDGET_ENV: "static"})}
+    variant = Variant.jetflow(f"c={concurrency}", head_dir, args.budget, "--max-running-requests", str(max(concurrency, 1)), env=env)
+    with Fleet(target, work, args.dtype) as fleet:
+        server = fleet.start(variant, work / f"server_c{concurrency}.log")
+        log = fleet.logs[variant.name]
         for prompt in prompts[: max(concurrency, 1)]:  # warm-up, past the first profile line
-            _request(client, model, prompt, BenchConfig(max_new_tokens=48))
+            fleet.request(variant.name, prompt, max_new_tokens=48)
         before = (profiles(log) or [None])[-1]
         spy = None
         if args.sample:
@@ -111,29 +94,23 @@ def run_at(target, head_dir: str, args, prompts: list, concurrency: int, work: P
             spy = subprocess.Popen([py_spy(), "record", "--pid", str(pid), "--format", "raw",
                                     "--rate", "250", "--nonblocking", "-o", str(work / f"spy_c{concurrency}.txt")],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        start = time.perf_counter()
-        with ThreadPoolExecutor(concurrency) as pool:
-            results = list(pool.map(lambda p: _request(client, model, p, config), prompts))
-        seconds = time.perf_counter() - start
+        run = fleet.batch(variant.name, prompts, concurrency, max_new_tokens=args.max_new_tokens)
         if spy is not None:
             spy.send_signal(2)  # SIGINT: py-spy writes its file and exits
             spy.wait(timeout=60)
         time.sleep(1)
         after = profiles(log)[-1]
-    finally:
-        server.stop()
     rounds, totals = window(before, after)
     phases = {k: v / max(rounds, 1) for k, v in totals.items()}
-    tokens = sum(r["tokens"] for r in results)
     # Wall time per round: the run's seconds over the window's rounds (counted at the profile lines,
     # so up to PROFILE_EVERY - 1 rounds either end are off: small over hundreds of rounds).
-    wall = 1000 * seconds / max(rounds, 1)
+    wall = 1000 * run["seconds"] / max(rounds, 1)
     phases["scheduler"] = max(wall - sum(phases.values()), 0.0)
     row = {
         "concurrency": concurrency,
         "rounds": rounds,
-        "tokens_per_s": round(tokens / seconds, 2),
-        "tau": statistics.median(r["tau"] for r in results if r["tau"] is not None),
+        "tokens_per_s": round(run["tokens_per_s"], 2),
+        "tau": run["tau"],
         "ms_per_round": {k: round(v, 2) for k, v in phases.items()},
         "share": {k: round(v / max(sum(phases.values()), 1e-9), 4) for k, v in phases.items()},
         "around_verify_ms": round(sum(v for k, v in phases.items() if k in ("lookup", "draft", "tree", "bookkeeping")), 2),
@@ -144,49 +121,45 @@ def run_at(target, head_dir: str, args, prompts: list, concurrency: int, work: P
     return row
 
 
+def cell_text(phase: str):
+    return lambda row: f"{row['ms_per_round'].get(phase, 0):.2f}ms {100 * row['share'].get(phase, 0):>5.1f}%"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--head", default="default", help="default, random, or a head directory")
-    parser.add_argument("--prompts", default="humaneval", help="demo, humaneval, sharegpt-heldout, or a JSON/JSONL file")
-    parser.add_argument("--limit", type=int, default=8, help="first N prompts of the set")
+    harness.add_args(parser, head="default", prompts="humaneval", limit=8)
     parser.add_argument("--budget", type=int, default=16, help="the tree budget (static), or the adaptive cap")
     parser.add_argument("--adaptive", action="store_true", help="the adaptive budget (default: static at --budget)")
     parser.add_argument("--concurrency", type=int_list, default=[1, 16], help="requests in flight, one server each")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="server dtype (auto: bf16 where its matmuls are native, else float32)")
+    harness.add_args(parser, max_new_tokens=128, dtype="auto")
     parser.add_argument("--sample", action="store_true", help="also sample the scheduler with py-spy (per line of our code)")
     parser.add_argument("--top", type=int, default=25, help="sampled frames to list")
-    parser.add_argument("--out", default=None, help="write the JSON report here")
+    harness.add_args(parser, out=None)
     args = parser.parse_args()
-    args.dtype = serving_dtype(args.dtype)
+    args.dtype = harness.serving_dtype(args.dtype)
     if args.sample and py_spy() is None:
         parser.error("--sample needs py-spy (pip install py-spy)")
 
-    prompts = bench_prompts(args.prompts, args.limit)
-    target = resolve_target("default")
-    head_dir = str(head_dir_for(args.head, target))
-    work = Path(tempfile.mkdtemp(prefix="jetflow-round-profile-"))
+    prompts = harness.bench_prompts(args.prompts, args.limit)
+    target, head_dir = harness.resolve("default", args.head)
+    work = harness.work_dir("round-profile")
     rows = []
     for concurrency in args.concurrency:
         needed = max(concurrency, len(prompts))
         batch = (prompts * (needed // len(prompts) + 1))[:needed]
         rows.append(run_at(target, head_dir, args, batch, concurrency, work))
     phases = ["lookup", "draft", "tree", "verify", "bookkeeping", "scheduler"]
-    print(f"\n{'c':>3} {'tok/s':>8} {'tau':>5}" + "".join(f"{p:>18}" for p in phases) + f"{'around verify':>15}"
-          + f"   ({len(prompts)} {args.prompts}, {'adaptive cap' if args.adaptive else 'static'} {args.budget}, {args.dtype})")  # fmt: skip
-    for row in rows:
-        ms, share = row["ms_per_round"], row["share"]
-        print(f"{row['concurrency']:>3} {row['tokens_per_s']:>8.1f} {row['tau']:>5.2f}"
-              + "".join(f"{ms.get(p, 0):>9.2f}ms {100 * share.get(p, 0):>5.1f}%" for p in phases)
-              + f"{row['around_verify_ms']:>13.2f}ms")  # fmt: skip
+    columns = [Column("c", "concurrency", width=3), Column("tok/s", "tokens_per_s", ".1f", 8), Column("tau", "tau", ".2f", 5),
+               *(Column(p, cell_text(p), width=17) for p in phases),
+               Column("around verify", lambda row: f"{row['around_verify_ms']:.2f}ms", width=14)]  # fmt: skip
+    title = f"{len(prompts)} {args.prompts}, {'adaptive cap' if args.adaptive else 'static'} {args.budget}, {args.dtype}"
+    print("\n" + harness.format_table(columns, rows, title))
     for view in ("round", "ours"):
         for row in rows:
             for item in row.get("sampled", {}).get(view, []):
                 print(f"{view:<5} c={row['concurrency']:<3} {100 * item['share']:5.1f}%  {item['frame']}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=2))
+        harness.write_json(args.out, {"config": vars(args), "rows": rows})
         print(f"wrote {args.out}")
 
 

@@ -28,20 +28,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
+from jetflow_sglang import harness
 from jetflow_sglang import server as sglang_server
-from jetflow_sglang.assets import head_dir_for, resolve_target
-from jetflow_sglang.budget import BUDGET_ENV, COST_TABLE_ENV
+from jetflow_sglang.budget import BUDGET_ENV
 from jetflow_sglang.cli import int_list
-from jetflow_sglang.served import bench_prompts, last_profile
+from jetflow_sglang.harness import PROFILE, Column, Fleet, Variant, last_profile
 from jetflow_sglang.sglang_plugin.proposer import ORACLE_ACCEPT_ENV
 from jetflow_sglang.sglang_plugin.worker import ORACLE_ENV
-from jetflow_sglang.target import serving_dtype
 
 
 def drafter_list(text: str) -> list[str]:
@@ -63,7 +60,7 @@ def drafter_list(text: str) -> list[str]:
 def prompt_texts(spec: str, limit: int, tokenizer, max_prompt_tokens: int) -> list[str]:
     """Request texts as the server receives them: chat prompts through the chat template."""
     texts = []
-    for prompt in bench_prompts(spec, None):
+    for prompt in harness.bench_prompts(spec, None):
         if prompt.kind == "chat":
             text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}], tokenize=False, add_generation_prompt=True)
         else:
@@ -135,28 +132,16 @@ class AcceptTracker:
 
 
 def plot(rows: list[dict], concurrency: list[int], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    drafters = sorted({r["drafter"] for r in rows}, key=lambda d: (d != "head", d))
-    fig, axes = plt.subplots(1, len(drafters), figsize=(5 * len(drafters), 4), sharey=True, squeeze=False)
-    for ax, drafter in zip(axes[0], drafters):
+    """Output tokens/s by concurrency, a panel per drafter: each variant and the target alone."""
+    panels = {}
+    for drafter in sorted({r["drafter"] for r in rows}, key=lambda d: (d != "head", d)):
+        lines = {}
         for variant in dict.fromkeys(r["variant"] for r in rows if r["drafter"] == drafter):
             points = [r for r in rows if r["drafter"] == drafter and r["variant"] == variant]
-            ax.plot([r["concurrency"] for r in points], [r["output_throughput"] for r in points], marker="o", label=variant)
-            base = [r["target_throughput"] for r in points]
-        ax.plot(concurrency, base, marker="s", color="black", linestyle="--", label="target alone")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(concurrency, [str(c) for c in concurrency])
-        ax.set_title(f"drafter: {drafter}")
-        ax.set_xlabel("concurrent requests")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("output tokens/s")
-    axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+            lines[variant] = ([r["concurrency"] for r in points], [r["output_throughput"] for r in points])
+            lines["target alone"] = (concurrency, [r["target_throughput"] for r in points])
+        panels[f"drafter: {drafter}"] = dict(sorted(lines.items(), key=lambda item: item[0] == "target alone"))
+    harness.plot_lines(path, panels, "concurrent requests", "output tokens/s", dashed=["target alone"])
 
 
 def _policy_counts(log: Path) -> dict:
@@ -180,10 +165,9 @@ def median_cells(measured: list[dict]) -> list[dict]:
         cells.setdefault((row["drafter"], row["variant"], row["concurrency"]), []).append(row)
     rows = []
     for (drafter, variant, c), runs in cells.items():
-        row = {"drafter": drafter, "variant": variant, "concurrency": c}
-        for key in ("output_throughput", "median_tpot_ms", "accept_length", "target_throughput", "target_median_tpot_ms", "vs_target"):
-            values = [r[key] for r in runs if r[key] is not None]
-            row[key] = round(statistics.median(values), 3) if values else None
+        row = {"drafter": drafter, "variant": variant, "concurrency": c,
+               **harness.medians(runs, ("output_throughput", "median_tpot_ms", "accept_length", "target_throughput",
+                                        "target_median_tpot_ms", "vs_target"))}  # fmt: skip
         if any("policy" in r for r in runs):
             row["policy"] = {}
             for r in runs:
@@ -195,24 +179,25 @@ def median_cells(measured: list[dict]) -> list[dict]:
 
 
 def save(rows: list[dict], args: argparse.Namespace, head: str) -> None:
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": vars(args), "head": head, "rows": rows}, indent=1))
+    out = harness.write_json(args.out, {"config": vars(args), "head": head, "rows": rows}, indent=1)
     plot([r for r in rows if "concurrency" in r], args.concurrency, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}", flush=True)
+
+
+def cell_text(row: dict) -> str:
+    return f"{row['output_throughput']:.1f} {row['vs_target']:>5.2f}x τ {row['accept_length'] or 0:>4.2f}"
 
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     cells = [r for r in rows if "concurrency" in r]
     print(f"\n{args.prompts}: {args.output_len} output tokens per request, {args.dtype}, median of {args.rounds} round(s); "
           "output tokens/s, ratio to the target alone, accept length")  # fmt: skip
-    print(f"{'drafter':<8}{'variant':<28}" + "".join(f"{'c=' + str(c):>25}" for c in args.concurrency))
-    for drafter in dict.fromkeys(r["drafter"] for r in cells):
-        for variant in dict.fromkeys(r["variant"] for r in cells if r["drafter"] == drafter):
-            line = {r["concurrency"]: r for r in cells if r["drafter"] == drafter and r["variant"] == variant}
-            print(f"{drafter:<8}{variant:<28}" + "".join(
-                f"{line[c]['output_throughput']:>9.1f} {line[c]['vs_target']:>5.2f}x τ {line[c]['accept_length'] or 0:>4.2f}"
-                for c in args.concurrency))  # fmt: skip
+    lines: dict[tuple, dict] = {}
+    for r in cells:
+        lines.setdefault((r["drafter"], r["variant"]), {"drafter": r["drafter"], "variant": r["variant"]})[r["concurrency"]] = r
+    columns = [Column("drafter", "drafter", width=7, left=True), Column("variant", "variant", width=27, left=True),
+               *(Column(f"c={c}", lambda line, c=c: cell_text(line[c]), width=24) for c in args.concurrency)]  # fmt: skip
+    print(harness.format_table(columns, lines.values()))
     for row in cells:
         if "policy" in row:
             print(f"{row['drafter']}: adaptive rounds at c={row['concurrency']}: {row['policy']}")
@@ -224,6 +209,17 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
                      for b, r in by_batch.items() if r["rounds"] >= 3]  # fmt: skip
             if cells:
                 print(f"  {kind} rounds by batch size (rounds, mean ms, tokens per request, tokens/s vs root-only): " + "; ".join(cells))
+
+
+def variants(args: argparse.Namespace, head_dir: str) -> list[Variant]:
+    """JETFLOW at each static budget (unless --adaptive-only) and adaptive at the cap (the default)."""
+    cap = max(args.budgets)
+    # SGLang folds accept counts into its running average only at --decode-log-interval
+    # rounds: every round here, so the average is current when a run ends.
+    every_round = ("--decode-log-interval", "1")
+    static = [] if args.adaptive_only else args.budgets
+    out = [Variant.jetflow(f"static {b}", head_dir, b, *every_round, env={BUDGET_ENV: "static"}) for b in static]
+    return out + [Variant.jetflow(f"adaptive (cap {cap})", head_dir, cap, *every_round, env={**PROFILE, **harness.cost_env(args.cost_table)})]
 
 
 def main() -> None:
@@ -240,95 +236,82 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds over all concurrencies (each cell's target and JETFLOW runs interleaved per round); "
                              "the table reports per-cell medians")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="dtype of every server (auto: bf16 where its matmuls are native, else float32)")
+    harness.add_args(parser, dtype="auto")
     parser.add_argument("--max-total-tokens", type=int, default=16384, help="KV pool of each server")
-    parser.add_argument("--cost-table", default=None, help="JETFLOW_COST_TABLE of the adaptive servers (benchmarks/verify_cost.py)")
+    harness.add_args(parser, cost_table=None)
     parser.add_argument("--adaptive-only", action="store_true",
                         help="run no static-budget servers: the target alone against JETFLOW adaptive (cap: the largest --budgets)")
     parser.add_argument("--out", default=None, help="write the JSON report here (and a PNG beside it)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    args.dtype = serving_dtype(args.dtype)
+    args.dtype = harness.serving_dtype(args.dtype)
 
     from transformers import AutoTokenizer
 
-    target_dir = resolve_target("default")
-    head_dir = str(head_dir_for(args.head, target_dir))
-    target = str(target_dir)
+    target, head_dir = harness.resolve("default", args.head)
     tokenizer = AutoTokenizer.from_pretrained(target)
     nums = {c: max(args.num_prompts, 2 * c) for c in args.concurrency}
     texts = prompt_texts(args.prompts, max(nums.values()), tokenizer, args.max_prompt_tokens)
     if len(texts) < max(nums.values()):
         raise SystemExit(f"serving_curves: only {len(texts)} prompts of {args.prompts} fit --max-prompt-tokens")
-    work = Path(tempfile.mkdtemp(prefix="jetflow-curves-"))
+    work = harness.work_dir("curves")
     datasets = {}
     for c, n in nums.items():  # the same n requests for every server at concurrency c
         datasets[c] = work / f"prompts{n}.json"
         write_sharegpt_file(texts[:n], datasets[c])
-    cap = max(args.budgets)
-    # SGLang folds accept counts into its running average only at --decode-log-interval
-    # rounds: every round here, so the average is current when a run ends.
-    every_round = ["--decode-log-interval", "1"]
-    static = [] if args.adaptive_only else args.budgets
-    variants = {f"static {b}": ([*sglang_server.jetflow_args(head_dir, b), *every_round], {BUDGET_ENV: "static"}) for b in static}
-    adaptive_env = {"JETFLOW_PROFILE": "1", **({COST_TABLE_ENV: args.cost_table} if args.cost_table else {})}
-    variants[f"adaptive (cap {cap})"] = ([*sglang_server.jetflow_args(head_dir, cap), *every_round], adaptive_env)  # the default
-    start = dict(dtype=args.dtype, max_total_tokens=args.max_total_tokens)
+    jetflow = variants(args, head_dir)
+    adaptive = jetflow[-1].name
+    trackers = {"target": AcceptTracker()}
 
-    def run(url: str, tracker: AcceptTracker, c: int) -> dict:
-        report = bench_serving(url, target, datasets[c], nums[c], c, args.output_len, work / "result.jsonl")
-        tau = tracker.add(report["total_output_tokens"], report["completed"], report.get("accept_length"))
+    def run(fleet: Fleet, name: str, c: int) -> dict:
+        report = bench_serving(fleet.servers[name].url, target, datasets[c], nums[c], c, args.output_len, work / "result.jsonl")
+        tau = trackers[name].add(report["total_output_tokens"], report["completed"], report.get("accept_length"))
         return {"output_throughput": round(report["output_throughput"], 2), "median_tpot_ms": round(report["median_tpot_ms"], 1),
                 "accept_length": round(tau, 3) if tau else None}  # fmt: skip
 
     rows: list[dict] = []
-    target_server = sglang_server.start(target, work / "target.log", **start)
-    try:
+    with Fleet(target, work, args.dtype, args.max_total_tokens) as fleet:
+        fleet.start(Variant("target"), work / "target.log")
         oracle = work / "oracle.json"
         if any(d != "head" for d in args.drafters):
-            write_oracle_file(target_server.url, texts, tokenizer, args.output_len, oracle)
-        target_tracker = AcceptTracker()
+            write_oracle_file(fleet.servers["target"].url, texts, tokenizer, args.output_len, oracle)
         for k, drafter in enumerate(args.drafters):
             env = {} if drafter == "head" else {ORACLE_ENV: str(oracle), ORACLE_ACCEPT_ENV: drafter[2:]}
-            servers, trackers = {}, {}
-            try:
-                for i, (name, (extra, variant_env)) in enumerate(variants.items()):
-                    log = work / f"{drafter}-{i}.log"
-                    servers[name] = sglang_server.start(target, log, *extra, env={**env, **variant_env}, **start)
-                    trackers[name] = AcceptTracker()
-                for name, server in servers.items():  # warm-up: every prompt once (radix cache as in the runs)
-                    run(server.url, trackers[name], max(args.concurrency))
-                if k == 0:
-                    run(target_server.url, target_tracker, max(args.concurrency))
-                adaptive_log = work / f"{drafter}-{len(variants) - 1}.log"
-                measured: list[dict] = []
-                for round_ in range(args.rounds):
-                    for c in args.concurrency:
-                        base = run(target_server.url, target_tracker, c)
-                        for name, server in servers.items():
-                            adaptive = name.startswith("adaptive")
-                            before = _policy_counts(adaptive_log) if adaptive else None
-                            cell = run(server.url, trackers[name], c)
-                            row = {"drafter": drafter, "variant": f"JETFLOW {name}", "concurrency": c, "round": round_, **cell,
-                                   "target_throughput": base["output_throughput"], "target_median_tpot_ms": base["median_tpot_ms"],
-                                   "vs_target": round(cell["output_throughput"] / base["output_throughput"], 3)}  # fmt: skip
-                            if adaptive:  # this cell's rounds (the log's cumulative counts, 20-round steps)
-                                row["policy"] = _count_difference(_policy_counts(adaptive_log), before)
-                            measured.append(row)
-                            print(json.dumps(row), flush=True)
-                rows += median_cells(measured)
-                policy = (last_profile(adaptive_log) or {}).get("tree_sizes") or {}
-                rows.append({"drafter": drafter, "variant": "adaptive tree sizes chosen (rounds)", "chosen": policy.get("chosen"),
-                             "rounds_by_batch": policy.get("rounds_by_batch")})  # fmt: skip
-                if args.out:  # after every drafter: a run cut short keeps what it measured
-                    save(rows, args, Path(head_dir).name)
-            finally:
-                for server in servers.values():
-                    server.stop()
-    finally:
-        target_server.stop()
+            for i, variant in enumerate(jetflow):
+                fleet.start(Variant(variant.name, variant.flags, {**env, **variant.env}), work / f"{drafter}-{i}.log")
+                trackers[variant.name] = AcceptTracker()
+            for variant in jetflow:  # warm-up: every prompt once (radix cache as in the runs)
+                run(fleet, variant.name, max(args.concurrency))
+            if k == 0:
+                run(fleet, "target", max(args.concurrency))
+
+            def measure(name: str, c: int) -> dict:
+                before = _policy_counts(fleet.logs[name]) if name == adaptive else None
+                cell = run(fleet, name, c)
+                if before is not None:  # this cell's rounds (the log's cumulative counts, 20-round steps)
+                    cell["policy"] = _count_difference(_policy_counts(fleet.logs[name]), before)
+                print(json.dumps({"drafter": drafter, "variant": name, "concurrency": c, **cell}), flush=True)
+                return cell
+
+            names = ["target", *(v.name for v in jetflow)]
+            measured: list[dict] = []
+            for c, by_name in zip(args.concurrency, harness.interleave(args.rounds, args.concurrency, names, measure)):
+                for round_, base in enumerate(by_name["target"]):
+                    for variant in jetflow:
+                        cell = by_name[variant.name][round_]
+                        measured.append({"drafter": drafter, "variant": f"JETFLOW {variant.name}", "concurrency": c, "round": round_,
+                                         **cell, "target_throughput": base["output_throughput"],
+                                         "target_median_tpot_ms": base["median_tpot_ms"],
+                                         "vs_target": round(cell["output_throughput"] / base["output_throughput"], 3)})  # fmt: skip
+            rows += median_cells(measured)
+            policy = (fleet.profile(adaptive) or {}).get("tree_sizes") or {}
+            rows.append({"drafter": drafter, "variant": "adaptive tree sizes chosen (rounds)", "chosen": policy.get("chosen"),
+                         "rounds_by_batch": policy.get("rounds_by_batch")})  # fmt: skip
+            for variant in jetflow:
+                fleet.stop(variant.name)
+            if args.out:  # after every drafter: a run cut short keeps what it measured
+                save(rows, args, Path(head_dir).name)
 
     print_table(rows, args)
 

@@ -26,16 +26,15 @@ Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from jetflow_sglang import harness
 from jetflow_sglang.head import JetFlowConfig, JetFlowHead
 from jetflow_sglang.target import fast_dtype
 from jetflow_sglang.training import objective as O
@@ -191,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
               "batch_tokens": args.batch_tokens, "anchor_fraction": args.anchor_fraction,
               "old_batch_tokens": args.old_batch_tokens}  # fmt: skip
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        harness.write_json(args.out, report, indent=1)
     return 0
 
 

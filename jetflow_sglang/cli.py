@@ -177,7 +177,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """Exit 1 when an answer differs from the target alone's with no cause found (in float32, the
     exact check: when any answer differs), after the report: the speed is still shown, but a
     demo that cannot explain its output must not pass as one that can (`make demo` fails)."""
-    from jetflow_sglang.served import BenchConfig, format_table, run_bench
+    from jetflow_sglang.bench import BenchConfig, format_table, run_bench
 
     config = _config_from_args(BenchConfig, args, dtype=args.dtype)
     report = run_bench(config, echo=lambda line: print(line, file=sys.stderr if args.json else sys.stdout, flush=True))

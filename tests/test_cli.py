@@ -210,7 +210,7 @@ def test_serve_and_bench_budget_is_adaptive_unless_asked_static():
     """The tree budget is adaptive by default (--budget is its cap); --no-adaptive asks for a
     static budget (--adaptive, the default, is still accepted)."""
     from jetflow_sglang.cli import _config_from_args
-    from jetflow_sglang.served import BenchConfig
+    from jetflow_sglang.bench import BenchConfig
 
     parser = build_parser()
     for command in ("serve", "bench"):

@@ -7,32 +7,18 @@ benchmark's default."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("sglang")
 
+from jetflow_sglang import load  # noqa: E402
 from jetflow_sglang import server as sglang_server  # noqa: E402
-
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "load_test.py"
-
-
-def load_module():
-    spec = importlib.util.spec_from_file_location("load_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their annotations through it
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
 def test_short_load_with_aborts_leaves_no_leak(tmp_path):
     from jetflow_sglang.assets import prepare
 
-    load = load_module()
     assets = prepare("default")
     target, head = str(assets["target"]), str(assets["head"])
     prompts = load.held_out_prompts(target, 12)

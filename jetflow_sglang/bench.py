@@ -1,4 +1,5 @@
-"""`jetflow bench` and `make demo`: prompts through two real SGLang servers, via the OpenAI client.
+"""`jetflow bench` and `make demo`: prompts through two real SGLang servers, via the OpenAI client
+(a configuration of `jetflow_sglang.harness`).
 
 Two servers run side by side on 127.0.0.1: the target alone, and the target with
 ``--speculative-algorithm JETFLOW`` (its tree budget adaptive under the cap ``--budget``, the
@@ -21,22 +22,15 @@ check, the answers must be identical token for token.
 
 from __future__ import annotations
 
-import json
 import statistics
-import tempfile
-import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
-from jetflow_sglang import server as sglang_server
-from jetflow_sglang.prompts import Prompt, load_prompts
 from jetflow_sglang.budget import BUDGET_ENV
 from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.explain import EXACT_CHECK, NEAR_TIE, NEAR_TIE_GAP, REPRODUCED
+from jetflow_sglang.harness import PROFILE, Fleet, Variant, bench_prompts, work_dir, write_json
 from jetflow_sglang.sglang_plugin.lookup_branch import LOOKUP_ENV
-
-PROFILE_MARK = "JETFLOW profile "
 
 
 @dataclass(frozen=True)
@@ -55,48 +49,8 @@ class BenchConfig:
     out: Optional[str] = None  # JSON report path
 
 
-def bench_prompts(spec: str, limit: Optional[int]) -> list[Prompt]:
-    prompts = load_prompts(spec)
-    return prompts[:limit] if limit else prompts
-
-
-def _request(client, model: str, prompt: Prompt, config: BenchConfig) -> dict:
-    """One greedy request: its text, token ids (the prompt's too) and the stop token it ended on
-    (SGLang's ``matched_stop`` when an id), tokens/s, and tau from ``spec_tokens_details``."""
-    extra = {"ignore_eos": config.ignore_eos, "return_spec_tokens_details": True, "return_token_ids": True}
-    t0 = time.perf_counter()
-    if prompt.kind == "chat":
-        response = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": prompt.text}],
-            temperature=0, max_tokens=config.max_new_tokens, extra_body=extra,
-        )  # fmt: skip
-        choice = response.choices[0]
-        text, ids = choice.message.content or "", (choice.model_extra or {}).get("response_token_ids")
-    else:
-        response = client.completions.create(
-            model=model, prompt=prompt.text, temperature=0, max_tokens=config.max_new_tokens, extra_body=extra
-        )
-        choice = response.choices[0]
-        text, ids = choice.text, (choice.model_extra or {}).get("token_ids")
-    seconds = time.perf_counter() - t0
-    tokens = response.usage.completion_tokens
-    details = ((response.model_extra or {}).get("sglext") or {}).get("spec_tokens_details") or {}
-    verify = details.get("spec_verify_ct") or 0
-    stop = (choice.model_extra or {}).get("matched_stop", getattr(choice, "matched_stop", None))
-    return {
-        "text": text,
-        "ids": list(ids or []),
-        "prompt_ids": list((choice.model_extra or {}).get("prompt_token_ids") or []),
-        "stop": stop if isinstance(stop, int) and not isinstance(stop, bool) else None,
-        "tokens": tokens,
-        "seconds": round(seconds, 4),
-        "tokens_per_s": round(tokens / seconds, 3),
-        "tau": round(1 + details.get("spec_num_correct_drafts", 0) / verify, 3) if verify else None,
-    }
-
-
 def explain_difference(url: str, ar: dict, spec: dict, tokenizer, exact: bool, ignore_eos: bool) -> dict:
-    """A row's ``difference``: where the two answers (`_request`) first part, each one's token
+    """A row's ``difference``: where the two answers (`harness.request`) first part, each one's token
     there, the target-alone server's re-checks at that position (`explain.recheck`) and their
     verdict (`explain.label`); ``explained`` is False when no cause was found, and always in
     float32 (`exact`), where any difference is an error."""
@@ -128,16 +82,9 @@ def explain_difference(url: str, ar: dict, spec: dict, tokenizer, exact: bool, i
     }
 
 
-def last_profile(log: Path) -> Optional[dict]:
-    lines = [line for line in log.read_text(errors="replace").splitlines() if PROFILE_MARK in line]
-    return json.loads(lines[-1].split(PROFILE_MARK, 1)[1]) if lines else None
-
-
-def run_bench(config: BenchConfig, echo=print) -> dict:
+def run_bench(config: BenchConfig, echo: Callable[[str], None] = print) -> dict:
     """Start both servers, run every prompt on each (interleaved), stop them; returns the report."""
-    from openai import OpenAI
-
-    from jetflow_sglang.assets import head_dir_for, resolve_target
+    from jetflow_sglang.harness import resolve
     from jetflow_sglang.target import serving_dtype
     from jetflow_sglang.tree import MAX_BUDGET
 
@@ -146,33 +93,23 @@ def run_bench(config: BenchConfig, echo=print) -> dict:
     prompts = bench_prompts(config.prompts, config.limit)
     if not prompts:
         raise JetFlowError(f"no prompts in {config.prompts!r}")
-    target = resolve_target(config.target)
-    head_dir = str(head_dir_for(config.head, target))
+    target, head_dir = resolve(config.target, config.head)
     dtype = serving_dtype(config.dtype)
-    work = Path(tempfile.mkdtemp(prefix="jetflow-bench-"))
-    logs = {"ar": work / "ar.log", "jetflow": work / "jetflow.log"}
+    work = work_dir("bench")
     policy = f"adaptive tree budget, cap {config.budget}" if config.adaptive else f"static tree budget {config.budget}"
     echo(f"starting two SGLang servers on 127.0.0.1, {dtype}; JETFLOW's {policy} (logs in {work}) ...")
-    servers = {}
-    try:
+    env = {**PROFILE, LOOKUP_ENV: "1" if config.lookup else "0", BUDGET_ENV: "adaptive" if config.adaptive else "static"}
+    options = {"max_new_tokens": config.max_new_tokens, "ignore_eos": config.ignore_eos}
+    rows, timed = [], []
+    with Fleet(target, work, dtype) as fleet:
         try:
-            servers["ar"] = sglang_server.start(str(target), logs["ar"], dtype=dtype)
-            servers["jetflow"] = sglang_server.start(
-                str(target), logs["jetflow"], *sglang_server.jetflow_args(head_dir, config.budget),
-                dtype=dtype, env={"JETFLOW_PROFILE": "1", LOOKUP_ENV: "1" if config.lookup else "0",
-                                  BUDGET_ENV: "adaptive" if config.adaptive else "static"},
-            )  # fmt: skip
+            fleet.start(Variant("ar"), work / "ar.log")
+            fleet.start(Variant.jetflow("jetflow", head_dir, config.budget, env=env), work / "jetflow.log")
         except RuntimeError as exc:
             raise JetFlowError(f"{str(exc).splitlines()[0]} (server logs in {work})") from None
-        clients = {name: OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=3600) for name, s in servers.items()}
-        model = clients["ar"].models.list().data[0].id
-        warmup = Prompt(id="warmup", text="Hi", kind="chat")
-        for client in clients.values():
-            _request(client, model, warmup, BenchConfig(max_new_tokens=8))
-        rows, timed = [], []
+        fleet.warm_up()
         for number, prompt in enumerate(prompts, 1):
-            ar = _request(clients["ar"], model, prompt, config)
-            spec = _request(clients["jetflow"], model, prompt, config)
+            ar, spec = (fleet.request(name, prompt, **options) for name in ("ar", "jetflow"))
             row = {
                 "id": prompt.id,
                 "kind": prompt.kind,
@@ -198,14 +135,12 @@ def run_bench(config: BenchConfig, echo=print) -> dict:
 
             from jetflow_sglang.explain import describe
 
-            tokenizer = AutoTokenizer.from_pretrained(str(target))
+            tokenizer = AutoTokenizer.from_pretrained(target)
             for prompt, row, (ar, spec) in differing:
-                row["difference"] = explain_difference(servers["ar"].url, ar, spec, tokenizer, dtype == "float32",
+                row["difference"] = explain_difference(fleet.servers["ar"].url, ar, spec, tokenizer, dtype == "float32",
                                                        config.ignore_eos)  # fmt: skip
                 echo(describe(prompt.id, row["difference"]))
-    finally:
-        for server in servers.values():
-            server.stop()
+        profile = fleet.profile("jetflow")
     ar_time = sum(r["tokens"] / r["ar_tokens_per_s"] for r in rows)
     spec_time = sum(r["tokens"] / r["jetflow_tokens_per_s"] for r in rows)
     tokens = sum(r["tokens"] for r in rows)
@@ -224,10 +159,9 @@ def run_bench(config: BenchConfig, echo=print) -> dict:
         "unexplained": sum(not r["difference"]["explained"] for r in rows if "difference" in r),
     }
     report = {"config": {**asdict(config), "dtype": dtype}, "head_dir": head_dir, "summary": summary, "requests": rows,
-              "profile": last_profile(logs["jetflow"])}  # fmt: skip
+              "profile": profile}  # fmt: skip
     if config.out:
-        Path(config.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(config.out).write_text(json.dumps(report, indent=2))
+        write_json(config.out, report)
     return report
 
 
