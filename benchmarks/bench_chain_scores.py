@@ -21,8 +21,8 @@ import torch
 
 from jetflow_sglang.assets import load_target_and_head
 from jetflow_sglang.cli import int_list
-from jetflow_sglang.drafter import HeadDrafter
-from jetflow_sglang.engine import ReferenceEngine, generate_ar
+from jetflow_sglang.reference.proposer import HeadProposer
+from jetflow_sglang.reference.engine import ReferenceEngine, generate_ar
 from jetflow_sglang.lookup import CHAIN_SCORES, geometric_scores
 from jetflow_sglang.prompts import load_prompts
 
@@ -41,7 +41,7 @@ def main() -> None:
 
     target, head = load_target_and_head("default", args.head, torch.float32)
     engines = {
-        (name, budget): ReferenceEngine(target, HeadDrafter(head), budget=budget, lookup=scores is not None,
+        (name, budget): ReferenceEngine(target, HeadProposer(head), budget=budget, lookup=scores is not None,
                                         **({"lookup_scores": scores} if scores else {}))  # fmt: skip
         for name, scores in VARIANTS.items()
         for budget in args.budgets

@@ -272,13 +272,13 @@ def sglang_draft_rows(bench: Bench, head, features: Tensor, positions: Tensor, a
     req_to_token by the paged attention kernel, eagerly and replayed from a CUDA graph (the padded
     replay path without capture on a dry run). Returns the max differences of the top-WIDTH draft
     log-probs between paths, and the dense logits' scale."""
-    from jetflow_sglang.sglang_plugin.proposer import DraftRequest, HeadProposer
+    from jetflow_sglang.sglang_plugin.proposer import DraftRequest, PagedHeadProposer
     from jetflow_sglang.tree import top_candidates
 
     device, prefix = anchor.device, int(prefix_lens[0])
     block = head.config.block_size
     req_to_token = torch.arange(prefix + block, dtype=torch.int32, device=device)[None]
-    proposer = HeadProposer(head, req_to_token, prefix + block, device, WIDTH)
+    proposer = PagedHeadProposer(head, req_to_token, prefix + block, device, WIDTH)
     proposer.write_context(features[0], torch.arange(prefix, device=device), positions[0])
     request = DraftRequest(anchor, prefix_lens, torch.zeros(1, dtype=torch.int64, device=device), [[]], ["0"])
     dense_logits = head.draft(anchor, prefix_lens, head.context_kv(features, positions)).float()

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from jetflow_sglang.assets import load_head, resolve_target
-from jetflow_sglang.drafter import HeadDrafter
-from jetflow_sglang.engine import ReferenceEngine, generate_ar
-from jetflow_sglang.target import Target
+from jetflow_sglang.reference.proposer import HeadProposer
+from jetflow_sglang.reference.engine import ReferenceEngine, generate_ar
+from jetflow_sglang.reference.target import Target
 from jetflow_sglang.prompts import load_prompts
 from jetflow_sglang.training.features import featurize, store_from_parts
 from jetflow_sglang.training.validate import ValidationSet
@@ -53,7 +53,7 @@ def taus(target: Target, heads: dict, continuations: list, budgets: list[int], m
     out = []
     for budget in budgets:
         for label, head, lookup, use_head in variants:
-            engine = ReferenceEngine(target, HeadDrafter(head), budget=budget, lookup=lookup, head=use_head)
+            engine = ReferenceEngine(target, HeadProposer(head), budget=budget, lookup=lookup, head=use_head)
             committed = rounds = 0
             identical = True
             for ids, plain in continuations:

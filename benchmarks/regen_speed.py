@@ -19,7 +19,7 @@ import time
 
 from jetflow_sglang import harness
 from jetflow_sglang.assets import resolve_target
-from jetflow_sglang.target import check_model_dir, encode_prompt, serving_dtype
+from jetflow_sglang.reference.target import check_model_dir, encode_prompt, serving_dtype
 from jetflow_sglang.prompts import load_prompts
 from jetflow_sglang.training.regenerate import RegenerateConfig, make_backend
 

@@ -37,8 +37,8 @@ from jetflow_sglang import server as sglang_server
 from jetflow_sglang.budget import BUDGET_ENV
 from jetflow_sglang.cli import int_list
 from jetflow_sglang.harness import PROFILE, Column, Fleet, Variant, last_profile
-from jetflow_sglang.sglang_plugin.proposer import ORACLE_ACCEPT_ENV
-from jetflow_sglang.sglang_plugin.worker import ORACLE_ENV
+from jetflow_sglang.testing.hooks import ORACLE_ACCEPT_ENV
+from jetflow_sglang.testing.hooks import ORACLE_ENV
 
 
 def drafter_list(text: str) -> list[str]:

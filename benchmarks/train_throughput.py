@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from jetflow_sglang import harness
 from jetflow_sglang.head import JetFlowConfig, JetFlowHead
-from jetflow_sglang.target import fast_dtype
+from jetflow_sglang.reference.target import fast_dtype
 from jetflow_sglang.training import objective as O
 from jetflow_sglang.training import blocks as B
 from jetflow_sglang.training import train as T

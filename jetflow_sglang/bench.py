@@ -85,11 +85,11 @@ def explain_difference(url: str, ar: dict, spec: dict, tokenizer, exact: bool, i
 def run_bench(config: BenchConfig, echo: Callable[[str], None] = print) -> dict:
     """Start both servers, run every prompt on each (interleaved), stop them; returns the report."""
     from jetflow_sglang.harness import resolve
-    from jetflow_sglang.target import serving_dtype
-    from jetflow_sglang.tree import MAX_BUDGET
+    from jetflow_sglang.reference.target import serving_dtype
+    from jetflow_sglang.tree import budget_error
 
-    if not 1 <= config.budget <= MAX_BUDGET:
-        raise JetFlowError(f"budget must be between 1 and {MAX_BUDGET}, got {config.budget}")
+    if (error := budget_error(config.budget)) is not None:
+        raise JetFlowError(error)
     prompts = bench_prompts(config.prompts, config.limit)
     if not prompts:
         raise JetFlowError(f"no prompts in {config.prompts!r}")

@@ -99,7 +99,7 @@ def add_args(parser: argparse.ArgumentParser, **defaults: Any) -> argparse.Argum
 
 def serving_dtype(choice: str) -> str:
     """A server's ``--dtype`` from auto, float32 or bfloat16."""
-    from jetflow_sglang.target import serving_dtype as resolve_dtype
+    from jetflow_sglang.reference.target import serving_dtype as resolve_dtype
 
     return resolve_dtype(choice)
 

@@ -34,7 +34,7 @@ def probes(case: dict) -> list[Probe]:
 
 
 def difference(case: dict, exact: bool = False, **verdict_overrides) -> dict:
-    """A bench row's ``difference`` for `describe`, as `served.explain_difference` builds it."""
+    """A bench row's ``difference`` for `describe`, as `bench.explain_difference` builds it."""
     verdict = asdict(label(case["jetflow_token"], probes(case)))
     return {**case, **verdict, **verdict_overrides, "exact": exact}
 

@@ -17,7 +17,7 @@ from jetflow_sglang.lookup import lookup_draft, lookup_hint
 from jetflow_sglang.sglang_plugin.committed_ids import CommittedIds
 from jetflow_sglang.sglang_plugin.hints import RoundLookups
 from jetflow_sglang.sglang_plugin.lookup_branch import LookupBranch
-from jetflow_sglang.sglang_plugin.proposer import DraftRequest, HeadProposer
+from jetflow_sglang.sglang_plugin.proposer import DraftRequest, PagedHeadProposer
 from test_head import FUSED, as_logprobs, paged_proposer, small_head
 from test_hints import plain_copy
 
@@ -79,7 +79,7 @@ def hinted_small_head(seed: int = 3) -> JetFlowHead:
 
 
 def test_padded_draft_with_hints_equals_eager_and_pads_with_kind_0():
-    """HeadProposer with a hinted head: the paged draft with hints equals the dense `draft` with
+    """PagedHeadProposer with a hinted head: the paged draft with hints equals the dense `draft` with
     the same hints; padded to a replay bucket it gives the eager logits, padding rows (and a
     batch given no hints) read kind 0."""
     head = hinted_small_head()
@@ -121,7 +121,7 @@ def test_padded_draft_with_hints_equals_eager_and_pads_with_kind_0():
     assert (eager[:2] - eager_plain[:2]).abs().amax() > 1e-2
     torch.testing.assert_close(eager[2], eager_plain[2], rtol=0, atol=1e-6)
     # A plain head's runner holds no hint buffers.
-    assert HeadProposer(small_head(seed=3, **FUSED), proposer.req_to_token, 100, "cpu", 4).runner.hint_tokens is None
+    assert PagedHeadProposer(small_head(seed=3, **FUSED), proposer.req_to_token, 100, "cpu", 4).runner.hint_tokens is None
 
 
 REPETITIVE = "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday, Monday, Tuesday, Wednesday, Thursday,"
@@ -172,12 +172,12 @@ def test_hinted_head_drafts_in_the_server_as_in_the_reference_engine(tmp_path):
     with the same head and lookup setting. The hints matter: the shipped head without them
     accepts differently."""
     pytest.importorskip("sglang")
-    from conftest import hf_greedy
+    from helpers.hf import hf_greedy
     from jetflow_sglang import server as sglang_server
     from jetflow_sglang.assets import load_target_and_head, prepare
     from jetflow_sglang.budget import BUDGET_ENV
-    from jetflow_sglang.drafter import HeadDrafter
-    from jetflow_sglang.engine import ReferenceEngine
+    from jetflow_sglang.reference.proposer import HeadProposer
+    from jetflow_sglang.reference.engine import ReferenceEngine
     from test_sglang_jetflow import _run_all
 
     assets = prepare("default")
@@ -199,8 +199,8 @@ def test_hinted_head_drafts_in_the_server_as_in_the_reference_engine(tmp_path):
         finally:
             server.stop()
         assert all(out["meta_info"]["cached_tokens"] > 0 for out in again)
-        engine = ReferenceEngine(target, HeadDrafter(head), budget=16, lookup=lookup == "1")
-        plain = ReferenceEngine(target, HeadDrafter(plain_head), budget=16, lookup=lookup == "1")
+        engine = ReferenceEngine(target, HeadProposer(head), budget=16, lookup=lookup == "1")
+        plain = ReferenceEngine(target, HeadProposer(plain_head), budget=16, lookup=lookup == "1")
         differs = 0
         for case, want, out, hit in zip(cases, greedy, outputs, again):
             local = engine.generate(case["ids"], case["max_new_tokens"])

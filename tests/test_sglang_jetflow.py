@@ -41,7 +41,7 @@ import pytest
 pytest.importorskip("sglang")
 
 from jetflow_sglang import server as sglang_server  # noqa: E402
-from jetflow_sglang.served import last_profile  # noqa: E402
+from jetflow_sglang.harness import last_profile  # noqa: E402
 
 RANDOM_PROMPTS = [
     ("Say hello in one word.", True),
@@ -76,20 +76,6 @@ ORACLE_ACCEPT = "0.9"
 def _max_new_tokens(index: int, oracle: bool) -> int:
     # Varied limits, so the limit lands at different depths of accepted paths.
     return 24 + (7 * index) % 29 if oracle else 8 + (5 * index) % 9
-
-
-@pytest.fixture(scope="module")
-def target_dir() -> str:
-    from jetflow_sglang.assets import prepare
-
-    return str(prepare("default")["target"])
-
-
-@pytest.fixture(scope="module")
-def head_dir() -> str:
-    from jetflow_sglang.assets import prepare
-
-    return str(prepare("default")["head"])
 
 
 @pytest.fixture(scope="module")
@@ -146,33 +132,29 @@ SAMPLING_BUDGETS = (16, 64)  # same tree code at 256, where the draws cost ~13 m
 LOGPROB_CASES = [0, 3, 8, 12]  # two head-drafted, two oracle-drafted (multi-token commits)
 
 
-def _exact_joint(target_dir: str, ids: list[int]) -> dict[tuple[int, ...], float]:
-    """P(first 4 tokens) under SAMPLING: at every prefix, HF transformers' fp32 logits filtered
-    by SGLang's own sampler function (temperature 1, top-k, top-p, min-p), renormalized."""
+def _sglang_cut(logits):
+    """SGLang's own sampler cut under SAMPLING (temperature 1, top-k, top-p, min-p), renormalized."""
     import torch
     from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
+
+    rows = logits.shape[0]
+    _, probs_sort, probs_idx, _ = top_k_top_p_min_p_sampling_from_probs_torch(
+        logits.softmax(-1), torch.full((rows,), SAMPLING["top_k"]), torch.full((rows,), SAMPLING["top_p"]),
+        torch.full((rows,), SAMPLING["min_p"]), need_min_p_sampling=True, sampling_seed=None,
+        positions=torch.zeros(rows, dtype=torch.long), return_filtered_probs=True,
+    )  # fmt: skip
+    return probs_idx, probs_sort / probs_sort.sum(-1, keepdim=True)
+
+
+def _exact_joint(target_dir: str, ids: list[int]) -> dict[tuple[int, ...], float]:
+    """P(first 4 tokens) under SAMPLING: HF transformers' fp32 logits cut by SGLang's own sampler."""
+    import torch
     from transformers import AutoModelForCausalLM
 
+    from helpers.hf import exact_joint
+
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-    joint = {(): 1.0}
-    with torch.no_grad():
-        for _ in range(SAMPLING["max_new_tokens"]):
-            prefixes = list(joint)
-            logits = model(torch.tensor([ids + list(p) for p in prefixes])).logits[:, -1]
-            rows = len(prefixes)
-            _, probs_sort, probs_idx, _ = top_k_top_p_min_p_sampling_from_probs_torch(
-                logits.softmax(-1), torch.full((rows,), SAMPLING["top_k"]), torch.full((rows,), SAMPLING["top_p"]),
-                torch.full((rows,), SAMPLING["min_p"]), need_min_p_sampling=True, sampling_seed=None,
-                positions=torch.zeros(rows, dtype=torch.long), return_filtered_probs=True,
-            )  # fmt: skip
-            probs = probs_sort / probs_sort.sum(-1, keepdim=True)
-            joint = {
-                prefix + (token,): joint[prefix] * prob
-                for prefix, row_ids, row_probs in zip(prefixes, probs_idx.tolist(), probs.tolist())
-                for token, prob in zip(row_ids, row_probs)
-                if prob > 0
-            }
-    return joint
+    return exact_joint(model, ids, SAMPLING["max_new_tokens"], _sglang_cut)
 
 
 def _samples(url: str, ids: list[int], greedy: list[dict] = ()) -> tuple[list[dict], list[dict]]:
@@ -374,8 +356,8 @@ def test_published_dflash_layout_head_serves_unchanged(target_dir, cases, refere
     import torch
 
     from jetflow_sglang.assets import load_target_and_head
-    from jetflow_sglang.drafter import HeadDrafter
-    from jetflow_sglang.engine import ReferenceEngine
+    from jetflow_sglang.reference.proposer import HeadProposer
+    from jetflow_sglang.reference.engine import ReferenceEngine
     from test_published import smollm2_published_head
 
     head_dir = str(smollm2_published_head(target_dir, tmp_path / "published", sliding=True))
@@ -387,7 +369,7 @@ def test_published_dflash_layout_head_serves_unchanged(target_dir, cases, refere
         server.stop()
     target, head = load_target_and_head(target_dir, head_dir, torch.float32)
     assert head.config.qk_norm and head.config.mask_from_target and head.config.sliding_layers == [1]
-    engine = ReferenceEngine(target, HeadDrafter(head), budget=64, lookup=True)
+    engine = ReferenceEngine(target, HeadProposer(head), budget=64, lookup=True)
     for i, out in zip(picked, outputs):
         assert out["output_ids"] == reference["output_ids"][i], i
         local = engine.generate(cases[i]["ids"], cases[i]["max_new_tokens"])
@@ -410,8 +392,8 @@ def test_lookup_branch_raises_tau_and_switches_off(target_dir, head_dir, cases, 
     from transformers import AutoTokenizer
 
     from jetflow_sglang.assets import load_target_and_head
-    from jetflow_sglang.drafter import HeadDrafter
-    from jetflow_sglang.engine import ReferenceEngine
+    from jetflow_sglang.reference.proposer import HeadProposer
+    from jetflow_sglang.reference.engine import ReferenceEngine
 
     repetitive = {"ids": AutoTokenizer.from_pretrained(target_dir)(REPETITIVE).input_ids, "max_new_tokens": 40}
     picked = [0, 3]  # head-drafted cases (chat, raw)
@@ -431,7 +413,7 @@ def test_lookup_branch_raises_tau_and_switches_off(target_dir, head_dir, cases, 
         for i, out in zip(picked, outputs):
             assert out["output_ids"] == reference["output_ids"][i], (lookup, i)
         assert all(out["meta_info"]["cached_tokens"] > 0 for out in again)
-        engine = ReferenceEngine(target, HeadDrafter(head), budget=16, lookup=lookup != "0", head=lookup != "only")
+        engine = ReferenceEngine(target, HeadProposer(head), budget=16, lookup=lookup != "0", head=lookup != "only")
         for case, out, hit in zip(requests, outputs, again):
             local = engine.generate(case["ids"], case["max_new_tokens"])
             for served in (out, hit):
@@ -553,7 +535,7 @@ def test_sampling_follows_the_target_distribution_over_several_tokens(jetflow_se
     requests batched with the sampled ones still return the no-spec ids."""
     from collections import Counter
 
-    from scipy.stats import chisquare
+    from helpers.stats import joint_fit
 
     if jetflow_server.budget not in SAMPLING_BUDGETS:
         pytest.skip(f"the sampling law is checked at budgets {SAMPLING_BUDGETS}: at 256, 192 draws verify "
@@ -566,12 +548,7 @@ def test_sampling_follows_the_target_distribution_over_several_tokens(jetflow_se
     got = Counter(tuple(o["output_ids"]) for o in sampled)
     outside = [o for o in got if o not in joint]
     assert not outside, f"continuations outside the filtered support: {outside}"
-    common = sorted((o for o in joint if joint[o] * SAMPLES >= 5), key=joint.get, reverse=True)
-    observed = [got[o] for o in common] + [SAMPLES - sum(got[o] for o in common)]
-    expected = [joint[o] * SAMPLES for o in common] + [SAMPLES * (1 - sum(joint[o] for o in common))]
-    if expected[-1] < 1e-6:
-        observed, expected = observed[:-1], expected[:-1]
-    p_value = chisquare(observed, expected).pvalue
+    p_value, observed, expected = joint_fit(got, joint, SAMPLES)
     accepted = sum(o["meta_info"]["spec_num_correct_drafts"] for o in sampled)
     print(f"budget {jetflow_server.budget}: observed {observed} expected {[round(e, 1) for e in expected]} p={p_value:.3g}, "
           f"drafts accepted under sampling {accepted} over {SAMPLES} requests")

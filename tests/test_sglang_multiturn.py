@@ -65,8 +65,8 @@ def models(prepared):
 @pytest.mark.slow
 @pytest.mark.parametrize("budget, lookup", CONFIGS, ids=[f"budget{b}-lookup{int(l)}" for b, l in CONFIGS])
 def test_second_turn_on_verify_written_cache_drafts_as_the_reference_engine(prepared, models, budget, lookup, tmp_path):
-    from jetflow_sglang.drafter import HeadDrafter
-    from jetflow_sglang.engine import ReferenceEngine
+    from jetflow_sglang.reference.proposer import HeadProposer
+    from jetflow_sglang.reference.engine import ReferenceEngine
 
     target, head = models
     tok = target.tokenizer
@@ -82,7 +82,7 @@ def test_second_turn_on_verify_written_cache_drafts_as_the_reference_engine(prep
         second_out = _post_all(server.url, seconds)
     finally:
         server.stop()
-    engine = ReferenceEngine(target, HeadDrafter(head), budget=budget, lookup=lookup)
+    engine = ReferenceEngine(target, HeadProposer(head), budget=budget, lookup=lookup)
     deep_rounds = 0
     for turn, ((ids, limit), out) in enumerate(zip(firsts + seconds, first_out + second_out)):
         local = engine.generate(ids, limit)

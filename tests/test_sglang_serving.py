@@ -175,7 +175,7 @@ def test_captured_taps_equal_hf_taps_over_prefill_chunks(servers, assets, long_c
 
 def _hf_taps(assets: dict, ids: list[int]) -> torch.Tensor:
     from jetflow_sglang.head import JetFlowHead
-    from jetflow_sglang.target import Target
+    from jetflow_sglang.reference.target import Target
 
     head = JetFlowHead.load(assets["head"])
     target = Target(assets["target"], dtype=torch.float32, tap_layers=head.config.target_layer_ids)
