@@ -1,10 +1,10 @@
 """Sampling as clients send it, on a real SGLang server (fp32, this CPU).
 
-A JETFLOW server in the configuration a plain launch gets (the adaptive tree budget, cap 64)
-and a no-spec server (without overlap scheduling, whose penalizers run one round late:
-tree_penalties.py). The test oracle drafts every prompt here with set acceptance
-(`JETFLOW_TEST_ORACLE_ACCEPT`): its true greedy tokens lead each depth's top-k with high
-probability, so tree rounds pay and sampled tokens that follow the drafts commit deep paths.
+A JETFLOW server at a static budget of 16 (every round verifies a tree; the adaptive default's
+sampling is checked in test_sglang_jetflow.py) and a no-spec server (without overlap scheduling,
+whose penalizers run one round late: tree_penalties.py). The test oracle drafts every prompt
+here, with the target's greedy continuation at random ranks of each depth's top-k, so sampled
+tokens that follow the drafts commit multi-token paths.
 
 * The sampler's plain path (temperature without SGLang's joint cut: top-p alone, top-k alone),
   two settings mixed in one batch with greedy requests: the joint law of the first tokens equals
@@ -13,7 +13,7 @@ probability, so tree rounds pay and sampled tokens that follow the drafts commit
 * A sampled grammar request and a sampled penalized request: the same law as the no-spec
   server's own samples (two-sample chi-square).
 * One greedy request with penalties, a regex and a logit bias at once: the token ids and their
-  log-probs equal the no-spec server's, so every node applies them in SGLang's order.
+  log-probs equal the composition by hand in SGLang's order from HF transformers' logits.
 * A custom logit processor on a server that enables them is refused, not silently skipped.
 """
 
@@ -30,9 +30,10 @@ import torch
 pytest.importorskip("sglang")
 
 from jetflow_sglang import server as sglang_server  # noqa: E402
+from jetflow_sglang.budget import BUDGET_ENV  # noqa: E402
 
 SAMPLES = 192  # per setting
-ORACLE_ACCEPT = "0.9"
+BUDGET = 16
 LAW_PROMPT = ("The capital of France is", False)  # a likely first path (trees commit), yet several cells
 LAWS = {  # the plain path of node_acceptance: no top-k and top-p together, no min-p
     "T0.7 top-p 0.9": {"temperature": 0.7, "top_p": 0.9},
@@ -42,10 +43,13 @@ LAW_TOKENS = 3
 COLORS = "(red|green|blue|yellow|black|white)"
 OPTION_CASES = {  # name -> (prompt, chat, options, tokens): sampled on both servers
     "regex": ("List three colors.", True, {"regex": f"{COLORS}, {COLORS}, and {COLORS}\\.", "temperature": 1.0}, 5),
-    "penalized": ("Count from one to twenty in words:", False,
-                  {"temperature": 0.8, "frequency_penalty": 0.6, "presence_penalty": 0.3, "repetition_penalty": 1.2}, 4),
+    # One penalty: SGLang's scheduler without overlap applies several in the order of a Python set of
+    # classes, which differs between processes (the test below fixes the composition by hand).
+    "penalized": ("List some fruits: apple, banana,", False, {"temperature": 0.6, "repetition_penalty": 1.4}, 4),
 }  # fmt: skip
-ALL_AT_ONCE = ("Name the days of the week, separated by commas.", True, 24)  # greedy, with every option below
+ALL_AT_ONCE = ("Name the days of the week, separated by commas.", True, 16)  # greedy, with every option below
+ALLOWED = "A-Za-z ,."  # its regex's character class
+MIN_CHARS = 100  # the regex asks for this many characters first: no EOS within the answer checked
 GREEDY_IN_BATCH = [("Say hello in one word.", True, 8), ("def add(a, b):", False, 12)]
 
 
@@ -64,16 +68,54 @@ def _post_all(url: str, bodies: list[dict]) -> list[dict]:
         return list(pool.map(lambda body: sglang_server.post(url + "/generate", body), bodies))
 
 
-def _all_at_once_options(greedy_ids: list[int]) -> dict:
-    """Repetition, frequency and presence penalties, a regex the answer keeps to, and a logit bias
-    on a token the answer repeats (the bias and the repetition penalty do not commute)."""
-    repeated = Counter(greedy_ids).most_common(1)[0][0]
+def _all_at_once_options(tok) -> dict:
+    """Repetition, frequency and presence penalties, a regex, and a logit bias on the comma the
+    answer repeats (the bias and the repetition penalty do not commute)."""
     return {"repetition_penalty": 1.3, "frequency_penalty": 0.2, "presence_penalty": 0.1,
-            "regex": "[A-Za-z ,.]+", "logit_bias": {str(repeated): 3.0}}  # fmt: skip
+            "regex": f"[{ALLOWED}]{{{MIN_CHARS},400}}", "logit_bias": {str(tok.convert_tokens_to_ids(",")): 3.0}}  # fmt: skip
+
+
+def _by_hand(model, tok, ids: list[int], options: dict, tokens: int, bias_first: bool = False) -> tuple[list[int], list[float]]:
+    """Greedy ids and log-probs with `_all_at_once_options` composed in SGLang's order at every step,
+    from HF transformers' fp32 logits: the additive penalties (frequency, presence) and then the
+    scaling one (repetition), each over the tokens generated so far; the regex's mask (tokens
+    made only of its characters; no EOS before MIN_CHARS characters); then the logit bias.
+    `bias_first`: the bias before the penalties instead, a wrong order."""
+    vocab = model.config.vocab_size
+    texts = [tok.decode([i]) for i in range(vocab)]
+    allowed = torch.tensor([bool(t) and all(c.isascii() and (c.isalpha() or c in " ,.") for c in t) for t in texts])
+    bias = torch.zeros(vocab)
+    for token, value in options["logit_bias"].items():
+        bias[int(token)] += value
+    out, logprobs = [], []
+    for _ in range(tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + out])).logits[0, -1].float()
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab).float()
+        if bias_first:
+            logits = logits + bias
+        logits = logits - options["frequency_penalty"] * counts - options["presence_penalty"] * (counts > 0)
+        penalty = options["repetition_penalty"]
+        logits = torch.where(counts > 0, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        if not bias_first:
+            logits = logits + bias
+        row = logits.log_softmax(-1)
+        out.append(int(row.argmax()))
+        logprobs.append(float(row[out[-1]]))
+    assert len(tok.decode(out)) < MIN_CHARS, "the answer checked reached the regex's minimum: EOS would be allowed"
+    return out, logprobs
 
 
 @pytest.fixture(scope="module")
-def setup(prepared, tmp_path_factory) -> dict:
+def hf_model(prepared):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(prepared["target"]), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def setup(prepared, hf_model, tmp_path_factory) -> dict:
     """The no-spec server's answers and samples, the oracle file, then the JETFLOW server."""
     from transformers import AutoTokenizer
 
@@ -88,27 +130,26 @@ def setup(prepared, tmp_path_factory) -> dict:
     try:
         oracle = [(law_ids, {"temperature": 0}), *((ids, {k: v for k, v in opts.items() if k != "temperature"}) for ids, opts, _ in options.values())]
         long = [_generate(plain.url, ids, {**opts, "temperature": 0, "max_new_tokens": 40, "ignore_eos": True}) for ids, opts in oracle]
-        free = _generate(plain.url, all_ids, {"temperature": 0, "max_new_tokens": ALL_AT_ONCE[2]})["output_ids"]
-        all_options = _all_at_once_options(free)
-        all_at_once = _generate(plain.url, all_ids, {"temperature": 0, "max_new_tokens": ALL_AT_ONCE[2], **all_options},
-                                return_logprob=True)  # fmt: skip
-        oracle.append((all_ids, all_options))
-        long.append(_generate(plain.url, all_ids, {**all_options, "temperature": 0, "max_new_tokens": 40, "ignore_eos": True}))
         greedy_want = [_generate(plain.url, ids, {"temperature": 0, "max_new_tokens": n})["output_ids"] for ids, n in greedy]
+        oracle += [(ids, {}) for ids, _ in greedy]
+        long += [_generate(plain.url, ids, {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}) for ids, _ in greedy]
         plain_samples = {
             name: [o["output_ids"] for o in _post_all(plain.url, [{"input_ids": ids, "sampling_params": {**opts, "max_new_tokens": tokens}}] * SAMPLES)]
             for name, (ids, opts, tokens) in options.items()
         }  # fmt: skip
     finally:
         plain.stop()
+    all_options = _all_at_once_options(tok)
+    all_at_once = _by_hand(hf_model, tok, all_ids, all_options, ALL_AT_ONCE[2])
     oracle_file = work / "oracle.json"
-    oracle_file.write_text(json.dumps([[ids, o["output_ids"]] for (ids, _), o in zip(oracle, long)]))
+    pairs = [[ids, o["output_ids"]] for (ids, _), o in zip(oracle, long)] + [[all_ids, all_at_once[0]]]
+    oracle_file.write_text(json.dumps(pairs))
     server = sglang_server.start(
-        target_dir, work / "jetflow.log", *sglang_server.jetflow_args(head_dir, 64), "--enable-custom-logit-processor",
-        env={"JETFLOW_TEST_ORACLE": str(oracle_file), "JETFLOW_TEST_ORACLE_ACCEPT": ORACLE_ACCEPT},
+        target_dir, work / "jetflow.log", *sglang_server.jetflow_args(head_dir, BUDGET), "--enable-custom-logit-processor",
+        env={"JETFLOW_TEST_ORACLE": str(oracle_file), BUDGET_ENV: "static"},
     )  # fmt: skip
     try:
-        yield {"url": server.url, "target_dir": target_dir, "law_ids": law_ids, "options": options, "greedy": greedy,
+        yield {"url": server.url, "tok": tok, "law_ids": law_ids, "options": options, "greedy": greedy,
                "greedy_want": greedy_want, "plain_samples": plain_samples, "all_ids": all_ids, "all_options": all_options,
                "all_at_once": all_at_once}  # fmt: skip
     finally:
@@ -204,13 +245,6 @@ def _accepted(outputs: list[dict]) -> int:
     return sum(o["meta_info"]["spec_num_correct_drafts"] for o in outputs)
 
 
-@pytest.fixture(scope="module")
-def hf_model(setup):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(setup["target_dir"], dtype=torch.float32).eval()
-
-
 # ------------------------------------------------------------------ tests
 @pytest.mark.slow
 def test_plain_path_settings_mixed_in_one_batch_follow_the_target_law(setup, hf_model):
@@ -245,24 +279,27 @@ def test_sampled_grammar_and_penalized_requests_follow_the_no_spec_server(setup)
         accepted = _accepted(got)
         print(f"{name}: JETFLOW / no-spec counts {table} p={p_value:.3g}, drafts accepted {accepted} over {SAMPLES}")
         assert p_value > 1e-3, (name, table, p_value)
-        assert accepted >= SAMPLES // 8, (name, accepted)
+        assert accepted >= SAMPLES // 4, (name, accepted)
 
 
 @pytest.mark.slow
-def test_penalties_grammar_and_bias_at_once_equal_no_spec_with_logprobs(setup):
+def test_penalties_grammar_and_bias_at_once_follow_sglangs_order(setup, hf_model):
     """One greedy request carrying repetition, frequency and presence penalties, a regex and a
-    logit bias on a repeated token: ids and output log-probs equal the no-spec server's, so each
-    node applies penalties, then the grammar mask, then the bias, as SGLang does (a bias added
-    before the repetition penalty moves the biased token's log-prob). Trees committed several
-    tokens a round for it."""
-    want = setup["all_at_once"]
+    logit bias on a repeated token: its ids and output log-probs equal the composition by hand in
+    SGLang's order (penalties, grammar mask, bias) at every node, and trees committed several
+    tokens a round for it. The wrong order (the bias before the repetition penalty) gives other
+    log-probs for this request, so the check can tell them apart. (Not against a no-spec server:
+    without overlap, SGLang applies additive and scaling penalties in an order that differs
+    between processes.)"""
+    want_ids, want_lp = setup["all_at_once"]
     got = _generate(setup["url"], setup["all_ids"], {"temperature": 0, "max_new_tokens": ALL_AT_ONCE[2], **setup["all_options"]},
                     return_logprob=True)  # fmt: skip
-    assert got["output_ids"] == want["output_ids"]
+    assert got["output_ids"] == want_ids, (setup["tok"].decode(got["output_ids"]), setup["tok"].decode(want_ids))
     got_lp = [t[0] for t in got["meta_info"]["output_token_logprobs"]]
-    want_lp = [t[0] for t in want["meta_info"]["output_token_logprobs"]]
-    assert len(got_lp) == len(want_lp) == len(want["output_ids"])
+    assert len(got_lp) == len(want_lp)
     assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 1e-3, (got_lp, want_lp)
+    wrong_ids, wrong_lp = _by_hand(hf_model, setup["tok"], setup["all_ids"], setup["all_options"], ALL_AT_ONCE[2], bias_first=True)
+    assert wrong_ids != want_ids or max(abs(a - b) for a, b in zip(wrong_lp, want_lp)) > 10 * 1e-3
     meta = got["meta_info"]
     assert meta["spec_num_correct_drafts"] >= meta["spec_verify_ct"], meta  # over 2 tokens a round on average
 
