@@ -44,14 +44,12 @@ import os
 import platform
 import time
 from bisect import bisect_left
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from jetflow_sglang.request_values import RequestValues
 from jetflow_sglang.tree import FILLER_SCORE, DraftTree, path_scores, prune_order
 
 POLICIES = ("static", "adaptive", "sweep")  # sweep: every ladder size in turn (benchmarks/verify_cost.py)
@@ -315,7 +313,6 @@ class BudgetPolicy:
         self.calibration = AcceptanceCalibration(device)
         self.chosen: dict[int, int] = {}  # tree size -> rounds (for reports and tests)
         self.draft_value: dict[int, float] = {}  # batch size -> EMA of (head-drafted round's rate / plain step's)
-        self.request_values = RequestValues()  # the same per request in flight (request_values.py)
         self.chain_value: dict[int, float] = {}  # the same for rounds verifying lookup chains without the head
         self.chains_off: dict[int, bool] = {}  # batch size -> whether the last round there skipped the chains
         self.undrafted: dict[int, int] = {}  # batch size -> rounds verified without a draft since
@@ -349,22 +346,17 @@ class BudgetPolicy:
         ordered = probs.gather(1, prune_order(tree, probs))
         return ordered.cumsum(1).sum(0)
 
-    def skip_draft(self, batch: int, chains_found: bool = True, rids: Sequence[str] | None = None) -> bool:
+    def skip_draft(self, batch: int, chains_found: bool = True) -> bool:
         """True when the head's draft pass has lately not paid at this batch size and no probe is
         due: the round then verifies what prompt lookup found, or the root alone, with no head
         pass. Paid means its rounds committed more tokens per second, against a plain step, than
         this round would without it (EMAs as measured, a new batch size starting from the
         nearest measured one): the lookup chains where some were found, else the root alone (a
         plain step, worth 1), and at least `pay_bar`. Chain rounds are measured only
-        where text repeats, so their value says nothing of a round without chains. With `rids`
-        (the requests of this round), the head's value is theirs: each known request's own
-        record, the batch-size EMA for the others (`RequestValues`)."""
+        where text repeats, so their value says nothing of a round without chains."""
         bar = pay_bar(batch)
         without_head = max(bar, _nearest(self.chain_value, batch, bar)) if chains_found else bar
-        head_value = _nearest(self.draft_value, batch, bar)
-        if rids is not None:
-            head_value = self.request_values.estimate(rids, head_value)
-        if not self.adaptive or head_value >= without_head:
+        if not self.adaptive or _nearest(self.draft_value, batch, bar) >= without_head:
             return False
         if _probe_due(self.undrafted, batch, self._probe_interval(batch)):
             return False
@@ -430,11 +422,10 @@ class BudgetPolicy:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def observe(self, tree: DraftTree, path: Tensor, verify_seconds: float, draft_seconds: float | None,
-                rids: Sequence[str] | None = None) -> None:  # fmt: skip
+    def observe(self, tree: DraftTree, path: Tensor, verify_seconds: float, draft_seconds: float | None) -> None:
         """After a verify of `tree` (the verified nodes): path [b, d] the accepted path's node
         indices from the root (-1 padded); the seconds the verify and the draft pass (None: no
-        draft this round) took; the requests' ids, for their own values (`skip_draft`)."""
+        draft this round) took."""
         if not self.measuring:
             return
         if tree.budget > 1:
@@ -457,8 +448,6 @@ class BudgetPolicy:
         _ema(self.draft_value if kind == "head" else self.chain_value, batch, value, VALUE_EMA)
         if kind == "head":
             _ema(self.head_loss, batch, max(0.0, seconds - committed * plain / batch), VALUE_EMA)
-            if rids is not None and self.adaptive:
-                self.request_values.observe(rids, (path >= 0).sum(1).tolist(), seconds, plain)
 
     def observe_skipped_chains(self, chains: DraftTree, next_tokens: Tensor) -> None:
         """After a root-only round that skipped the lookup chains `chains` (`skip_chains`): what

@@ -179,29 +179,6 @@ def test_drafting_that_does_not_pay_is_skipped_with_a_probe_every_8th_round():
     assert not BudgetPolicy(16, "static").skip_draft(4)
 
 
-def test_a_request_whose_own_head_rounds_pay_is_drafted_where_the_batch_history_says_skip():
-    """Requests that copy their context (here: one accepting three drafts a round) are judged by
-    their own head rounds, not by those of the requests before them: after the history of
-    requests whose head rounds did not pay, a paying request's probe makes its next rounds draft,
-    a new request starts from the batch-size history again, and finished requests are forgotten."""
-    policy = _policy_with_costs(16, seconds_per_token=2e-3, fixed=0.02)
-    plain = policy.cost.verify.seconds(1)
-    for _ in range(3):  # earlier requests: head rounds commit the bonus alone, slower than a plain step
-        policy.observe(prune_tree(confident_tree(1, 15, 0.001, 16), 2), torch.tensor([[0, -1]]), 0.03, 0.002, ["old"])
-    assert policy.draft_value[1] < 1 and policy.skip_draft(1, rids=["copier"])
-    policy.observe(prune_tree(confident_tree(1, 15, 0.9, 16), 4), torch.tensor([[0, 1, 2, 3]]), 0.03, 0.002, ["copier"])
-    assert policy.request_values.values["copier"] == pytest.approx(4 * plain / 0.032)
-    assert not policy.skip_draft(1, rids=["copier"])  # its own record pays
-    assert policy.skip_draft(1, rids=["new"])  # a new request: the batch-size history
-    assert set(policy.request_values.values) == set()  # "copier" finished: forgotten
-    # In a batch, the estimate is the mean over its requests.
-    policy.observe(prune_tree(confident_tree(2, 15, 0.9, 16), 4), torch.tensor([[0, 1, 2, 3], [0, -1, -1, -1]]), 0.03, 0.002,
-                   ["a", "b"])  # fmt: skip
-    values = policy.request_values.values
-    assert values["a"] == pytest.approx(4 * values["b"])
-    assert policy.request_values.estimate(["a", "b", "c"], 0.5) == pytest.approx((values["a"] + values["b"] + 0.5) / 3)
-
-
 def test_a_probe_that_loses_much_comes_rarely():
     """A head round at batch 16 that takes five plain steps' time to commit one token per request
     loses four plain steps: probing it every 200th round keeps the probes' loss at 2% of the time."""

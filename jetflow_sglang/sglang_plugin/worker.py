@@ -284,7 +284,7 @@ class JetFlowWorker(BaseSpecWorker):
         chains, hints = self.lookups(batch.reqs, seq_lens, anchors, self.committed_ids)
         t = self._tick("lookup", t)
         # Adaptive: where the head's draft pass has not paid lately, rounds go without it.
-        head_drafts = not self.lookup_only and not self.budget_policy.skip_draft(bs, any(chains or ()), request.rids)
+        head_drafts = not self.lookup_only and not self.budget_policy.skip_draft(bs, any(chains or ()))
         tree, skipped_chains, t = self._draft_tree(request, chains, hints, head_drafts, t)
         budget = tree.budget  # this round's verify width (adaptive: up to the cap)
         draft_seconds = self.budget_policy.clock() - round_start if head_drafts else None
@@ -305,8 +305,7 @@ class JetFlowWorker(BaseSpecWorker):
         verify_logits = logits_output.next_token_logits.view(bs, budget, -1)
         acceptance = accept_round(tree, verify_logits, batch, seq_lens, anchors, self.committed_ids, self.depths)
         accept_lens = (acceptance.num_accepted + 1).to(torch.int32)
-        self.budget_policy.observe(tree, acceptance.path, self.budget_policy.clock() - verify_start, draft_seconds,
-                                   request.rids)  # fmt: skip
+        self.budget_policy.observe(tree, acceptance.path, self.budget_policy.clock() - verify_start, draft_seconds)
         if skipped_chains is not None:
             self.budget_policy.observe_skipped_chains(skipped_chains, acceptance.bonus)
         new_seq_lens = seq_lens + accept_lens
