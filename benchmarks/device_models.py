@@ -47,7 +47,7 @@ def build_models(dry_run: bool, device: torch.device, dtype: torch.dtype) -> tup
 
 class Verifier:
     """Target forward of tree tokens after a prefix in the KV cache, capturing the head's taps
-    (as `jetflow_sglang.target.Target.forward`, with the mask on the device); `reset(prefix)`
+    (as `jetflow_sglang.reference.target.Target.forward`, with the mask on the device); `reset(prefix)`
     cuts the cache back to the prefix after each verify."""
 
     PACKED = "jetflow_packed_mask"
