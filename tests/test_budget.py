@@ -445,3 +445,40 @@ def test_chains_once_skipped_at_a_shared_batch_come_back_only_clearly_above_the_
     assert policy.skip_chains(1)
     policy.chain_value[1] = 1.01
     assert not policy.skip_chains(1)  # batch 1: no margin, no hysteresis
+
+
+def test_modelled_costs_choose_alike_on_a_fast_and_a_slow_clock(tmp_path):
+    """`JETFLOW_TEST_COSTS`: the adaptive policy prices and clocks rounds by a fixed table, so the
+    sizes it picks and the head rounds it skips are the same whatever seconds the rounds measured
+    (a CI machine slower than this one); a table missing a curve is refused in one line."""
+    from jetflow_sglang.testing.modelled_costs import modelled_policy
+
+    table = {"plain_ms": {"1": 20, "8": 28}, "verify_ms": {"8": 23, "64": 32, "512": 130}, "draft_ms": {"1": 5, "8": 9}}
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(table))
+    runs = []
+    for seconds in (0.001, 1.0):  # every measured round 1 ms, or 1 s
+        policy = modelled_policy(path, 64)
+        chosen, skipped = [], []
+        for r in range(60):
+            good = r < 20  # the head's drafts land, then stop landing
+            tree = confident_tree(8, 15, 0.9 if good else 0.001, 64)
+            skipped.append(policy.skip_draft(8))
+            size, priority = policy.choose(tree)
+            chosen.append(size)
+            path_ids = torch.full((8, 4), -1)
+            path_ids[:, 0] = 0
+            if good and size >= 4:
+                path_ids[:, 1:4] = torch.arange(1, 4)  # depth-1..3 nodes of the confident chain
+            policy.observe(prune_tree(tree, size, priority), path_ids, seconds, None if skipped[-1] else seconds)
+        prices = [policy.cost.round_seconds(b, n) for b in (1, 8) for n in (1, 2, 8, 16, 64)]
+        runs.append((chosen, skipped, prices + [policy.cost.draft.seconds(b) for b in (1, 8)]))
+    assert runs[0] == runs[1]
+    chosen, skipped, prices = runs[0]
+    assert max(chosen) > 1 and any(skipped), runs[0]  # it drafted, then gave the head up
+    fixed = CostTable.from_json(table)  # nothing measured moved the prices
+    assert prices == pytest.approx([fixed.round_seconds(b, n) for b in (1, 8) for n in (1, 2, 8, 16, 64)]
+                                   + [fixed.draft.seconds(b) for b in (1, 8)])  # fmt: skip
+    path.write_text(json.dumps({"plain_ms": {"1": 20, "8": 28}, "verify_ms": {"8": 23, "64": 32}, "draft_ms": {"1": 5}}))
+    with pytest.raises(ValueError, match="draft_ms needs at least two sizes"):
+        modelled_policy(path, 64)

@@ -96,14 +96,21 @@ class JetFlowWorker(BaseSpecWorker):
         self.lookups = RoundLookups(self.lookup, self.depths, hint_ngram)  # chains and a hinted head's hints
         # Adaptive by default (the budget is its cap); JETFLOW_BUDGET=static: always the cap. A cost
         # table of another dtype or machine is refused here, where both are known.
+        self.test_hooks = WorkerTestHooks.from_env()  # JETFLOW_TEST_*: read once, here
         self.budget_policy = policy_from_env(self.budget, self.device, self.model_runner.dtype)
-        # Adaptive without JETFLOW_COST_TABLE: start from the costs the last server measured for this
-        # machine, target, dtype and head; save this one's every cost_cache.SAVE_EVERY rounds.
-        self.cost_cache = open_cost_cache(self.budget_policy, self.model_runner.model_config.model_path, head.config,
-                                          self.width, get_exec().kernel.attention_backend)  # fmt: skip
+        self.cost_cache = None
+        if self.test_hooks.costs:
+            from jetflow_sglang.testing.modelled_costs import modelled_policy
+
+            logger.warning("JETFLOW: adaptive budget on the modelled costs in %s, not the clock (test)", self.test_hooks.costs)
+            self.budget_policy = modelled_policy(self.test_hooks.costs, self.budget, self.device, self.budget_policy.origin)
+        else:
+            # Adaptive without JETFLOW_COST_TABLE: start from the costs the last server measured for
+            # this machine, target, dtype and head; save this one's every cost_cache.SAVE_EVERY rounds.
+            self.cost_cache = open_cost_cache(self.budget_policy, self.model_runner.model_config.model_path,
+                                              head.config, self.width, get_exec().kernel.attention_backend)  # fmt: skip
         self.committed_ids = CommittedIds()  # token ids with KV per request (overlap: req.output_ids lags)
         self.profile = os.environ.get(PROFILE_ENV, "") == "1"
-        self.test_hooks = WorkerTestHooks.from_env()  # JETFLOW_TEST_*: read once, here
         self.feature_dump = FeatureDump(self.test_hooks.dump_features) if self.test_hooks.dump_features else None
         self.timings: dict[str, float] = defaultdict(float)
         self.rounds = 0

@@ -5,5 +5,6 @@ variable asks for it.
   continuation (or, with ``accept_prob``, a proposer of set quality);
 * :mod:`.paged_oracle`: `PagedOracleProposer`, the SGLang worker's batch form of it;
 * :mod:`.hooks`: the ``JETFLOW_TEST_*`` environment hooks, read once when the worker is built;
-* :mod:`.feature_dump`: the target features the worker hands the head, dumped for a test.
+* :mod:`.feature_dump`: the target features the worker hands the head, dumped for a test;
+* :mod:`.modelled_costs`: the adaptive budget on a fixed cost table's clock, the same on every machine.
 """

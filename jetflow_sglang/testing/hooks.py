@@ -10,7 +10,9 @@ is built (`WorkerTestHooks.from_env`), and never looks at the environment during
 * ``JETFLOW_TEST_DRAFT_PADDING=1``: run the draft pass through the graph runner's padded-batch
   bookkeeping without CUDA;
 * ``JETFLOW_TEST_DUMP_FEATURES=DIR``: dump the target features the worker hands the head
-  (:mod:`.feature_dump`).
+  (:mod:`.feature_dump`);
+* ``JETFLOW_TEST_COSTS=FILE``: the adaptive budget prices and clocks every round by the cost table
+  in FILE, not by the machine's clock (:mod:`.modelled_costs`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ ORACLE_ENV = "JETFLOW_TEST_ORACLE"
 ORACLE_ACCEPT_ENV = "JETFLOW_TEST_ORACLE_ACCEPT"  # a float p: the oracle drafts with acceptance p per depth
 DRAFT_PADDING_ENV = "JETFLOW_TEST_DRAFT_PADDING"
 DUMP_FEATURES_ENV = "JETFLOW_TEST_DUMP_FEATURES"
+COSTS_ENV = "JETFLOW_TEST_COSTS"
 TEST_DRAFT_BATCH_SIZES = (1, 2, 4, 8)  # the padded draft pass's batch-size buckets
 
 
@@ -32,6 +35,7 @@ class WorkerTestHooks:
     oracle_accept: Optional[float] = None
     draft_padding: bool = False
     dump_features: Optional[str] = None
+    costs: Optional[str] = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "WorkerTestHooks":
@@ -41,4 +45,5 @@ class WorkerTestHooks:
             oracle_accept=float(accept) if accept else None,
             draft_padding=environ.get(DRAFT_PADDING_ENV) == "1",
             dump_features=environ.get(DUMP_FEATURES_ENV) or None,
+            costs=environ.get(COSTS_ENV) or None,
         )
