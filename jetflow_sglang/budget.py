@@ -241,7 +241,7 @@ def _cpu_model() -> str:
 def table_origin(data: dict) -> dict:
     """What a cost table says of where it was measured: `dtype` (or, in older tables,
     `config.dtype`) and the `host_fingerprint` keys it has."""
-    origin = {k: data[k] for k in ("machine", "cuda", "device_name", "cpus") if data.get(k) is not None}
+    origin = {k: data[k] for k in ("machine", "cuda", "device_name", "cpus", "tp") if data.get(k) is not None}
     config = data.get("config") if isinstance(data.get("config"), dict) else {}
     dtype = dtype_name(data.get("dtype") or config.get("dtype"))
     if dtype:
@@ -257,7 +257,8 @@ def check_table_origin(data: dict, path: object, dtype: object = None, host: dic
     remedy = f"measure one here with benchmarks/verify_cost.py, or unset {COST_TABLE_ENV} (the adaptive budget measures its own costs)"
     if serving and origin.get("dtype") not in (None, serving):
         raise ValueError(f"cost table {path} was measured in {origin['dtype']}, but this server runs {serving}: {remedy}")
-    for key, what in (("cuda", "on CUDA"), ("machine", "architecture"), ("device_name", "device"), ("cpus", "CPU count")):
+    for key, what in (("cuda", "on CUDA"), ("machine", "architecture"), ("device_name", "device"), ("cpus", "CPU count"),
+                      ("tp", "tensor-parallel ranks")):  # fmt: skip
         if host and key in origin and key in host and origin[key] != host[key]:
             raise ValueError(f"cost table {path} was measured on another machine ({what}: {origin[key]!r} there, "
                              f"{host[key]!r} here): {remedy}")  # fmt: skip
@@ -534,14 +535,17 @@ def policy_name() -> str:
     return mode
 
 
-def policy_from_env(cap: int, device: torch.device | str = "cpu", dtype: object = None) -> BudgetPolicy:
+def policy_from_env(cap: int, device: torch.device | str = "cpu", dtype: object = None, tp: int = 1) -> BudgetPolicy:
     """The policy `JETFLOW_BUDGET` names (`policy_name`; adaptive by default); `JETFLOW_COST_TABLE`:
     a measured cost table (JSON of `benchmarks/verify_cost.py`) to start from, refused where it
-    was measured in another dtype than `dtype` or on another machine than this one."""
+    was measured in another dtype than `dtype`, on another machine than this one, or (where it
+    says) at another tensor-parallel size than `tp`: under ``--tp`` the verify is sharded across
+    the ranks and the draft pass is not, so both cost otherwise. The origin it reports (and the
+    cost cache keys on) states `tp` where it is above 1."""
     mode = policy_name()
     host = host_fingerprint(device)
     table = os.environ.get(COST_TABLE_ENV)
-    cost = CostTable.load(table, dtype, host) if table else None
-    origin = {**({"dtype": dtype_name(dtype)} if dtype_name(dtype) else {}), **host}
+    cost = CostTable.load(table, dtype, {**host, "tp": tp}) if table else None
+    origin = {**({"dtype": dtype_name(dtype)} if dtype_name(dtype) else {}), **host, **({"tp": tp} if tp > 1 else {})}
     return BudgetPolicy(cap, mode, cost, device, origin)
 

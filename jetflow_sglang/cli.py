@@ -249,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "HF generate, or the corpus itself (teacher-forced in training); auto: SGLang, else torch where SGLang does not start")
     regen.add_argument("--dtype", choices=SERVING_DTYPES, default="auto",
                        help="the answering target's dtype; auto (default): bf16 where its matmuls are native, else float32")
+    regen.add_argument("--tp", type=_positive("tp"), default=1,
+                       help="tensor-parallel ranks for SGLang's Engine (a target larger than one GPU; sglang backend only)")
     regen.add_argument("--out", required=True, help="data directory (shards + meta.json); reruns resume")
     regen.set_defaults(func=cmd_regenerate)
 

@@ -358,6 +358,23 @@ def test_cost_table_of_another_machine_is_refused(monkeypatch, tmp_path, key, ot
         policy_from_env(64, "cpu", torch.float32)
 
 
+def test_cost_table_of_another_tensor_parallel_size_is_refused(monkeypatch, tmp_path):
+    """Under --tp the verify is sharded and the draft pass is not: a table measured at --tp 2 prices
+    --tp 1 rounds wrongly, and the other way round. A server at --tp 2 states it in its origin
+    (the cost cache's key); at --tp 1 the origin stays as before (the caches saved stay valid)."""
+    from jetflow_sglang.budget import host_fingerprint, policy_from_env
+
+    here = host_fingerprint("cpu")
+    monkeypatch.delenv("JETFLOW_BUDGET", raising=False)
+    monkeypatch.setenv("JETFLOW_COST_TABLE", _write_table(tmp_path / "tp2.json", dtype="float32", tp=2, **here))
+    assert policy_from_env(64, "cpu", torch.float32, tp=2).origin["tp"] == 2
+    with pytest.raises(ValueError, match=r"another machine \(tensor-parallel ranks: 2 there, 1 here\)"):
+        policy_from_env(64, "cpu", torch.float32)
+    monkeypatch.setenv("JETFLOW_COST_TABLE", _write_table(tmp_path / "plain.json", dtype="float32", **here))
+    assert "tp" not in policy_from_env(64, "cpu", torch.float32).origin  # no tp stated: taken at either size
+    assert policy_from_env(64, "cpu", torch.float32, tp=2).cost.verify.known(64)
+
+
 def test_cost_table_without_origin_and_the_shipped_tables_load():
     """A table that says nothing of where it was measured is taken as it is; the shipped tables
     (architecture, CUDA or not, and their dtype under "config") load here in their own dtype."""

@@ -80,11 +80,6 @@ def validate_server_args(server_args) -> None:
     from jetflow_sglang.tree import budget_error
 
     head_path = server_args.speculative_draft_model_path
-    if int(getattr(server_args, "tp_size", 1) or 1) > 1:
-        # Under --tp the target's embedding and lm_head are vocab-parallel shards; the head reads
-        # them whole (no cross-rank top-k gather yet), so it would draft from one shard.
-        _fail(f"--tp {server_args.tp_size} is not supported yet: the head drafts with the target's whole "
-              "embedding and lm_head, which tensor parallelism shards; run with --tp 1")  # fmt: skip
     if not head_path:
         _fail("--speculative-draft-model-path (the JetFlow head directory) is required")
     budget = server_args.speculative_num_draft_tokens
@@ -111,6 +106,11 @@ def validate_server_args(server_args) -> None:
     except JetFlowError as exc:
         _fail(str(exc))
     text = getattr(target, "text_config", None) or target
+    tp, heads = int(getattr(server_args, "tp_size", 1) or 1), int(getattr(text, "num_attention_heads", 0) or 0)
+    if tp > 1 and heads and heads % tp:
+        fits = [n for n in range(2, heads + 1) if heads % n == 0]
+        _fail(f"--tp {tp} does not divide the target's {heads} attention heads (tensor parallelism splits them); "
+              f"use --tp {' or '.join(map(str, fits))}")  # fmt: skip
     last = text.num_hidden_layers - 1
     if last in config.target_layer_ids:
         # SGLang captures a layer's output as the next layer's input: the last layer has none.

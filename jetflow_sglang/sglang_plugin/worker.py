@@ -57,6 +57,7 @@ from .lookup_branch import LookupBranch, lookup_enabled, lookup_mode
 from .node_acceptance import accept_round
 from .proposer import BatchProposer, DraftRequest, PagedHeadProposer
 from .request_support import request_error
+from .tensor_parallel import RankSync, full_vocab_rows
 from .tree_penalties import any_penalized
 from .verify_input import verify_input
 
@@ -82,8 +83,9 @@ class JetFlowWorker(BaseSpecWorker):
         self.vocab_size = int(self.model_runner.model_config.vocab_size)
         head = JetFlowHead.load(spec.speculative_draft_model_path, dtype=self.model_runner.dtype)
         head = head.to(self.device).eval().requires_grad_(False)
-        embedding = model.model.embed_tokens.weight[: self.vocab_size]
-        lm_head = model.lm_head.weight[: self.vocab_size]
+        # Under --tp the target's rows are vocabulary shards: gathered whole here, once.
+        embedding = full_vocab_rows(model.model.embed_tokens, self.vocab_size)
+        lm_head = embedding if model.lm_head is model.model.embed_tokens else full_vocab_rows(model.lm_head, self.vocab_size)
         self.head = head.bind_target(embedding, lm_head).pack_for_cpu()  # bf16 on CPU: oneDNN-layout weights
         self.block_size = head.config.block_size
         self.depths = self.block_size - 1
@@ -97,8 +99,10 @@ class JetFlowWorker(BaseSpecWorker):
         # Adaptive by default (the budget is its cap); JETFLOW_BUDGET=static: always the cap. A cost
         # table of another dtype or machine is refused here, where both are known.
         self.test_hooks = WorkerTestHooks.from_env()  # JETFLOW_TEST_*: read once, here
-        self.budget_policy = policy_from_env(self.budget, self.device, self.model_runner.dtype)
+        tp = int(getattr(server_args, "tp_size", 1) or 1)
+        self.budget_policy = policy_from_env(self.budget, self.device, self.model_runner.dtype, tp)
         self.cost_cache = None
+        self.ranks = RankSync(check_commits=self.test_hooks.tp_check)  # --tp: every rank chooses as rank 0
         if self.test_hooks.costs:
             from jetflow_sglang.testing.modelled_costs import modelled_policy
 
@@ -109,6 +113,9 @@ class JetFlowWorker(BaseSpecWorker):
             # this machine, target, dtype and head; save this one's every cost_cache.SAVE_EVERY rounds.
             self.cost_cache = open_cost_cache(self.budget_policy, self.model_runner.model_config.model_path,
                                               head.config, self.width, get_exec().kernel.attention_backend)  # fmt: skip
+            if self.cost_cache is not None and self.ranks.rank != 0:
+                self.cost_cache.writable = False  # rank 0 saves for all
+        self.ranks.share_costs(self.budget_policy)
         self.committed_ids = CommittedIds()  # token ids with KV per request (overlap: req.output_ids lags)
         self.profile = os.environ.get(PROFILE_ENV, "") == "1"
         self.feature_dump = FeatureDump(self.test_hooks.dump_features) if self.test_hooks.dump_features else None
@@ -311,8 +318,12 @@ class JetFlowWorker(BaseSpecWorker):
 
         verify_logits = logits_output.next_token_logits.view(bs, budget, -1)
         acceptance = accept_round(tree, verify_logits, batch, seq_lens, anchors, self.committed_ids, self.depths)
+        all_greedy = batch.sampling_info is None or batch.sampling_info.is_all_greedy
+        acceptance = self.ranks.same_acceptance(acceptance, all_greedy)  # --tp: rank 0's draws
         accept_lens = (acceptance.num_accepted + 1).to(torch.int32)
-        self.budget_policy.observe(tree, acceptance.path, self.budget_policy.clock() - verify_start, draft_seconds)
+        verify_seconds, draft_seconds = self.ranks.same_seconds(self.budget_policy, self.budget_policy.clock() - verify_start,
+                                                                draft_seconds)  # fmt: skip
+        self.budget_policy.observe(tree, acceptance.path, verify_seconds, draft_seconds)
         if skipped_chains is not None:
             self.budget_policy.observe_skipped_chains(skipped_chains, acceptance.bonus)
         new_seq_lens = seq_lens + accept_lens
@@ -334,6 +345,7 @@ class JetFlowWorker(BaseSpecWorker):
         logits_output.hidden_states = None
 
         committed = acceptance.committed_tokens(tree)[:, :span]
+        self.ranks.check_same_commits(torch.where(on_path, committed, -1))  # JETFLOW_TEST_TP_CHECK only
         if self.feature_dump is not None:
             rids = [req.rid for req in batch.reqs]
             self.feature_dump.verify(rids, seq_lens, anchors, committed, acceptance.num_accepted, path_features)

@@ -12,7 +12,9 @@ is built (`WorkerTestHooks.from_env`), and never looks at the environment during
 * ``JETFLOW_TEST_DUMP_FEATURES=DIR``: dump the target features the worker hands the head
   (:mod:`.feature_dump`);
 * ``JETFLOW_TEST_COSTS=FILE``: the adaptive budget prices and clocks every round by the cost table
-  in FILE, not by the machine's clock (:mod:`.modelled_costs`).
+  in FILE, not by the machine's clock (:mod:`.modelled_costs`);
+* ``JETFLOW_TEST_TP_CHECK=1``: under ``--tp``, compare every round's committed tokens across ranks
+  and stop on the first difference (`sglang_plugin.tensor_parallel.RankSync`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ ORACLE_ACCEPT_ENV = "JETFLOW_TEST_ORACLE_ACCEPT"  # a float p: the oracle drafts
 DRAFT_PADDING_ENV = "JETFLOW_TEST_DRAFT_PADDING"
 DUMP_FEATURES_ENV = "JETFLOW_TEST_DUMP_FEATURES"
 COSTS_ENV = "JETFLOW_TEST_COSTS"
+TP_CHECK_ENV = "JETFLOW_TEST_TP_CHECK"
 TEST_DRAFT_BATCH_SIZES = (1, 2, 4, 8)  # the padded draft pass's batch-size buckets
 
 
@@ -36,6 +39,7 @@ class WorkerTestHooks:
     draft_padding: bool = False
     dump_features: Optional[str] = None
     costs: Optional[str] = None
+    tp_check: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "WorkerTestHooks":
@@ -46,4 +50,5 @@ class WorkerTestHooks:
             draft_padding=environ.get(DRAFT_PADDING_ENV) == "1",
             dump_features=environ.get(DUMP_FEATURES_ENV) or None,
             costs=environ.get(COSTS_ENV) or None,
+            tp_check=environ.get(TP_CHECK_ENV) == "1",
         )

@@ -45,6 +45,7 @@ class RegenerateConfig:
     batch_size: int = 32
     backend: str = "auto"  # auto | sglang | torch | hf | corpus
     dtype: str = "auto"  # auto (bf16 where its matmuls are native, else float32) | float32 | bfloat16
+    tp: int = 1  # SGLang's tensor-parallel ranks (a target larger than one GPU); the sglang backend only
 
 
 class HFBackend:
@@ -100,10 +101,11 @@ class TorchBackend:
 
 
 class SGLangBackend:
-    def __init__(self, target_dir: Path, dtype: str) -> None:
+    def __init__(self, target_dir: Path, dtype: str, tp: int = 1) -> None:
         import sglang
 
-        self.engine = sglang.Engine(model_path=str(target_dir), dtype=dtype, max_total_tokens=65536, log_level="error")
+        self.engine = sglang.Engine(model_path=str(target_dir), dtype=dtype, max_total_tokens=65536, log_level="error",
+                                    tp_size=tp)  # fmt: skip
 
     def generate(self, batch: list[list[int]], config: RegenerateConfig, pad_id: int) -> list[list[int]]:
         params = {"max_new_tokens": config.max_new_tokens, "temperature": config.temperature}
@@ -134,9 +136,17 @@ class CorpusBackend:
         pass
 
 
-def make_backend(name: str, target_dir: Path, dtype: str):
+def make_backend(name: str, target_dir: Path, dtype: str, tp: int = 1):
     """auto: SGLang's Engine (the fastest measured, GPU or CPU: benchmarks/regen_speed.py), else the
-    batched torch decoder, else HF generate for a model family the decoder does not run."""
+    batched torch decoder, else HF generate for a model family the decoder does not run. tp > 1:
+    SGLang's Engine over that many tensor-parallel ranks, with no fallback."""
+    if tp > 1:
+        if name not in ("auto", "sglang"):
+            raise JetFlowError(f"--tp {tp} needs the sglang backend (the {name} backend runs on one device)")
+        try:
+            return SGLangBackend(target_dir, dtype, tp)
+        except Exception as exc:
+            raise JetFlowError(f"SGLang engine did not start at --tp {tp}: {exc}") from None
     if name == "torch":
         return TorchBackend(target_dir, dtype)
     if name == "hf":
@@ -203,7 +213,7 @@ def regenerate(config: RegenerateConfig) -> dict:
 
     from tqdm import tqdm
 
-    backend = CorpusBackend(tokenizer, answers) if config.backend == "corpus" else make_backend(config.backend, target_dir, dtype)
+    backend = CorpusBackend(tokenizer, answers) if config.backend == "corpus" else make_backend(config.backend, target_dir, dtype, config.tp)
     used = {CorpusBackend: "corpus", HFBackend: "hf", SGLangBackend: "sglang", TorchBackend: "torch"}[type(backend)]
     meta["backends"] = sorted(set(earlier_backends) | {used})  # every backend that wrote shards here
     meta["dtypes"] = sorted(set(earlier_dtypes) | ({dtype} if used != "corpus" else set()))  # ... and its dtypes

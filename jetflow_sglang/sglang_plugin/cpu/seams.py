@@ -11,12 +11,13 @@ plugin (:func:`jetflow_sglang.sglang_plugin.hooks.register`, entry point group
   with the Triton slot-copy kernel and warms it up whenever a speculative
   algorithm is set) so that on ``jetflow_cpu`` it is skipped: the platform sets
   ``SGLANG_NATIVE_MOVE_KV_CACHE``, so KV compaction takes the torch move and the
-  Triton copy is never used.
+  Triton copy is never used;
+* gives each rank of ``--tp`` / ``--dp`` its share of the cores (:mod:`.ranks`).
 """
 
 from __future__ import annotations
 
-from . import attention
+from . import attention, ranks
 
 ASSIGN_REQ_TO_TOKEN = "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func"
 KV_COPY_WARMUP = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup"
@@ -49,5 +50,6 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     attention.register()
+    ranks.register()
     HookRegistry.register(ASSIGN_REQ_TO_TOKEN, _assign_req_to_token_pool_around, HookType.AROUND)
     HookRegistry.register(KV_COPY_WARMUP, _kv_copy_warmup_around, HookType.AROUND)
