@@ -11,12 +11,14 @@ prefill chunks, 4 requests in flight, radix-cache hits (every prompt asked twice
 request and sampled requests in the same batches. At static 16, one request at a time, it drafts
 as one rank does: the same verify rounds and accepted drafts per prompt as the reference engine
 (whose rounds equal a --tp 1 server's: test_sglang_multiturn, test_sglang_hints). At --dp-size 2
-(two schedulers, a core each) every request is served as one rank serves it.
+(two schedulers, a core each) every request is served as one rank serves it. --tp-size 2 itself,
+a rank per core, runs on a small Qwen3-architecture target whose 4 heads split two ways.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -155,3 +157,42 @@ def test_tp3_adaptive_default_equals_no_spec(target_dir, head_dir, no_spec, tmp_
     out = _serve(target_dir, head_dir, tmp_path / "server.log", 64, "adaptive", {"mixed": (_bodies(), 4)})
     assert "ranks committed different tokens" not in out["log"]
     _check_against_no_spec(out["mixed"], no_spec, "adaptive 64")
+
+
+@pytest.mark.slow
+def test_tp2_on_a_target_whose_heads_split_two_ways(prepared, tmp_path):
+    """--tp-size 2 proper, a rank per core: a Qwen3-architecture target with 4 heads (random
+    weights) and a published-layout head, at the adaptive budget (cap 16: the ranks share rank
+    0's costs). JETFLOW's greedy ids equal the no-spec --tp 2 server's at 1 and 4 in flight, the
+    test oracle drafting the no-spec continuations with set acceptance (a random head rarely lands)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from helpers.targets import tiny_qwen3_target
+    from jetflow_sglang import published
+    from jetflow_sglang.head import JetFlowConfig, JetFlowHead
+
+    target = str(tiny_qwen3_target(prepared["target"], tmp_path / "qwen3"))
+    config = JetFlowConfig.for_target(AutoConfig.from_pretrained(target), target_layer_ids=[0, 2], qk_norm=True,
+                                      mask_from_target=True, mask_token_id=0, rms_norm_eps=1e-6, block_size=8)  # fmt: skip
+    head_dir = str(published.export_head(JetFlowHead(config).init_weights(1), tmp_path / "head", "dflash"))
+    tok = AutoTokenizer.from_pretrained(target)
+    texts = ("def fibonacci(n):", "a b a b a b a b a", "x = 1\ny = 2\nx = 1\ny =", "The capital of France is")
+    bodies = [{"input_ids": tok(t).input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}}
+              for t in texts]  # fmt: skip
+    outputs, oracle = {}, tmp_path / "oracle.json"
+    for name, extra in (("nospec", ()), ("jetflow", sglang_server.jetflow_args(head_dir, 16))):
+        if name == "jetflow":  # the oracle drafts the no-spec continuations (set acceptance 0.9): trees that pay
+            oracle.write_text(json.dumps([[b["input_ids"], o["output_ids"]] for b, o in zip(bodies, outputs["nospec"][1])]))
+        server = sglang_server.start(target, tmp_path / f"{name}.log", *extra, "--tp-size", "2", max_total_tokens=2048,
+                                     env={"JETFLOW_TEST_TP_CHECK": "1", BUDGET_ENV: "adaptive", "JETFLOW_TEST_ORACLE": str(oracle),
+                                          "JETFLOW_TEST_ORACLE_ACCEPT": "0.9"})  # fmt: skip
+        try:
+            outputs[name] = {c: _run(server.url, bodies, c) for c in (1, 4)}
+            log = server.log.read_text(errors="replace")
+        finally:
+            server.stop()
+        assert "TP1" in log  # a second rank served
+    for concurrency in (1, 4):
+        got, want = ([o["output_ids"] for o in outputs[n][concurrency]] for n in ("jetflow", "nospec"))
+        assert got == want, concurrency
+    assert sum(o["meta_info"]["spec_num_correct_drafts"] for o in outputs["jetflow"][1]) > 0

@@ -314,3 +314,14 @@ def test_head_and_trainer_memorize_one_target_written_sequence(target, prompt_id
     assert losses[-1] < 0.5 * losses[0], (losses[0], losses[-1])
     depth1 = hits[:, 0][labels[:, 0] >= 0].float().mean().item()
     assert depth1 >= 0.8, (depth1, loss)  # 0.854 measured at this seed (fused head; 0.77 without fusion); random start: 0.0
+
+
+@pytest.mark.parametrize("backend", ["torch", "hf", "corpus"])
+def test_regenerate_over_several_ranks_needs_the_sglang_backend(backend, tmp_path):
+    """`jetflow regenerate --tp N` runs SGLang's Engine over N ranks; another backend runs on one
+    device, so asking for both is one clear error before any model loads."""
+    from jetflow_sglang.errors import JetFlowError
+    from jetflow_sglang.training.regenerate import make_backend
+
+    with pytest.raises(JetFlowError, match=f"--tp 2 needs the sglang backend \\(the {backend} backend runs on one device\\)"):
+        make_backend(backend, tmp_path, "float32", tp=2)

@@ -136,13 +136,18 @@ class CorpusBackend:
         pass
 
 
+def check_backend_ranks(name: str, tp: int) -> None:
+    """Only SGLang's Engine answers over several tensor-parallel ranks."""
+    if tp > 1 and name not in ("auto", "sglang"):
+        raise JetFlowError(f"--tp {tp} needs the sglang backend (the {name} backend runs on one device)")
+
+
 def make_backend(name: str, target_dir: Path, dtype: str, tp: int = 1):
     """auto: SGLang's Engine (the fastest measured, GPU or CPU: benchmarks/regen_speed.py), else the
     batched torch decoder, else HF generate for a model family the decoder does not run. tp > 1:
     SGLang's Engine over that many tensor-parallel ranks, with no fallback."""
+    check_backend_ranks(name, tp)
     if tp > 1:
-        if name not in ("auto", "sglang"):
-            raise JetFlowError(f"--tp {tp} needs the sglang backend (the {name} backend runs on one device)")
         try:
             return SGLangBackend(target_dir, dtype, tp)
         except Exception as exc:
@@ -173,6 +178,7 @@ def regenerate(config: RegenerateConfig) -> dict:
 
     if config.max_new_tokens < 1 or config.batch_size < 1:
         raise JetFlowError("max new tokens and batch size must be at least 1")
+    check_backend_ranks(config.backend, config.tp)
     target_dir = check_model_dir(resolve_target(config.target))
     dtype = serving_dtype(config.dtype)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
