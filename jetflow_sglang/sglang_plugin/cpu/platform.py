@@ -55,6 +55,13 @@ def activate() -> Optional[str]:
     return _qualname()
 
 
+def on_jetflow_cpu() -> bool:
+    """True in a process whose SGLang platform is this one."""
+    from sglang.srt.platforms import current_platform
+
+    return isinstance(current_platform, JetflowCpuPlatform)
+
+
 def _qualname() -> str:
     return f"{JetflowCpuPlatform.__module__}.{JetflowCpuPlatform.__qualname__}"
 

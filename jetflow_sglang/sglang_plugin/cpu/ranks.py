@@ -65,7 +65,7 @@ def _world() -> tuple[int, int]:
 
 
 def _bind_around(original, *args, **kwargs):
-    from .seams import on_jetflow_cpu
+    from .platform import on_jetflow_cpu
 
     device = kwargs.get("device", args[0] if args else None)
     if device != "cpu" or not on_jetflow_cpu() or os.environ.get(BIND_ENV):
@@ -78,7 +78,7 @@ def _bind_around(original, *args, **kwargs):
 
 
 def _init_threads_around(original, *args, **kwargs):
-    from .seams import on_jetflow_cpu
+    from .platform import on_jetflow_cpu
 
     cores = kwargs.get("local_omp_cpuid", args[0] if args else None)
     if not on_jetflow_cpu() or _world()[0] == 1 or not cores:

@@ -24,11 +24,9 @@ KV_COPY_WARMUP = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_cop
 
 
 def on_jetflow_cpu() -> bool:
-    from sglang.srt.platforms import current_platform
+    from .platform import on_jetflow_cpu as active
 
-    from .platform import JetflowCpuPlatform
-
-    return isinstance(current_platform, JetflowCpuPlatform)
+    return active()
 
 
 def _assign_req_to_token_pool_around(original, *args, **kwargs):
