@@ -23,13 +23,9 @@ ASSIGN_REQ_TO_TOKEN = "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_
 KV_COPY_WARMUP = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup"
 
 
-def on_jetflow_cpu() -> bool:
-    from .platform import on_jetflow_cpu as active
-
-    return active()
-
-
 def _assign_req_to_token_pool_around(original, *args, **kwargs):
+    from .platform import on_jetflow_cpu
+
     if on_jetflow_cpu():
         from .spec_ops import assign_req_to_token_pool
 
@@ -38,6 +34,8 @@ def _assign_req_to_token_pool_around(original, *args, **kwargs):
 
 
 def _kv_copy_warmup_around(original, pool, *args, **kwargs):
+    from .platform import on_jetflow_cpu
+
     if on_jetflow_cpu() and getattr(pool, "use_native_move_kv_cache", False):
         pool._kv_copy_config = None
         return None
