@@ -148,8 +148,6 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    import socket
-
     from jetflow_sglang import server as sglang_server
     from jetflow_sglang.assets import head_dir_for, resolve_target
     from jetflow_sglang.budget import BUDGET_ENV
@@ -163,9 +161,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     extra = list(args.sglang_args)
     if not args.no_spec:
         extra = sglang_server.jetflow_args(str(head_dir_for(args.head, target)), args.budget) + extra
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        if probe.connect_ex((sglang_server.HOST, args.port)) == 0:
-            raise JetFlowError(f"port {args.port} on {sglang_server.HOST} is already in use")
+    if sglang_server.port_in_use(args.port):
+        raise JetFlowError(f"port {args.port} on {sglang_server.HOST} is already in use")
     os.environ[LOOKUP_ENV] = "1" if args.lookup else "0"  # read by the JETFLOW worker in the server
     os.environ[BUDGET_ENV] = "adaptive" if args.adaptive else "static"  # ... and by the JETFLOW validator
     code = sglang_server.serve_forever(str(target), extra, args.port, serving_dtype(args.dtype), args.max_total_tokens)

@@ -30,6 +30,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_in_use(port: int) -> bool:
+    """True when `port` on HOST cannot be bound now (as uvicorn binds it: with SO_REUSEADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return True
+        return False
+
+
 def post(url: str, body: dict, timeout: float = 600) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -127,8 +138,11 @@ def start(
     """Start a server and wait until /health answers. Its output goes to `log` (None: this
     process's stdout/stderr). Raises RuntimeError with the log tail if it does not come up. With a
     log, a failed bind is seen at once: a port picked here that another process took first is
-    replaced by a new one (up to `PORT_ATTEMPTS` launches); a port the caller chose is refused.
+    replaced by a new one (up to `PORT_ATTEMPTS` launches); a port the caller chose is refused,
+    before the launch where it is already taken.
     cwd: the launcher's directory (``python -m`` puts it first on its import path)."""
+    if port and port_in_use(port):  # refused before the model loads, not after
+        raise RuntimeError(f"port {port} on {HOST} is in use")
     for _ in range(0 if port else PORT_ATTEMPTS - 1):
         try:
             return _start_once(target, log, extra, env, free_port(), dtype, max_total_tokens, timeout_s, cwd)

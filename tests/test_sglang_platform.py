@@ -115,7 +115,7 @@ def test_a_port_taken_before_the_server_binds_it(target_dir, tmp_path, monkeypat
         started = time.monotonic()
         with pytest.raises(RuntimeError, match=f"port {busy} on 127.0.0.1 is in use"):
             sglang_server.start(target_dir, tmp_path / "chosen.log", port=busy, max_total_tokens=1024, timeout_s=300)
-        assert time.monotonic() - started < 200  # refused once the launcher fails to bind, not at the timeout
+        assert time.monotonic() - started < 10  # refused before the launcher loads the model, not at the timeout
 
 
 @pytest.mark.slow

@@ -6,13 +6,14 @@ Every rank holds the head whole, gathers the target's vocabulary shards once, an
 and accepts the same tree (`jetflow_sglang.sglang_plugin.tensor_parallel`); with
 ``JETFLOW_TEST_TP_CHECK=1`` a server whose ranks commit different tokens stops at that round, and
 the requests below fail. In fp32 the JETFLOW server at --tp 3 gives the no-spec --tp 3 server's
-greedy token ids at static budget 16 and at the default adaptive budget (cap 64), with 32-token
-prefill chunks, 4 requests in flight, radix-cache hits (every prompt asked twice), a grammar
+greedy token ids at static budget 16, with 32-token prefill chunks, 4 requests in flight, radix-cache hits (every prompt asked twice), a grammar
 request and sampled requests in the same batches. At static 16, one request at a time, it drafts
 as one rank does: the same verify rounds and accepted drafts per prompt as the reference engine
 (whose rounds equal a --tp 1 server's: test_sglang_multiturn, test_sglang_hints). At --dp-size 2
 (two schedulers, a core each) every request is served as one rank serves it. --tp-size 2 itself,
-a rank per core, runs on a small Qwen3-architecture target whose 4 heads split two ways.
+a rank per core, runs on a small Qwen3-architecture target whose 4 heads split two ways, at the
+adaptive budget on each rank's own clock: ranks that chose their tree sizes apart would abort on
+a collective of mismatched size (gloo), so the ranks' shared costs and seconds are proven there.
 """
 
 from __future__ import annotations
@@ -150,13 +151,6 @@ def test_dp2_serves_each_request_as_one_rank_with_its_tau(target_dir, head_dir, 
         server.stop()
     assert "DP0" in log and "DP1" in log  # two data-parallel schedulers served
     _check_drafts_as_one_rank(outputs, one_rank, "dp 2")
-
-
-@pytest.mark.slow
-def test_tp3_adaptive_default_equals_no_spec(target_dir, head_dir, no_spec, tmp_path):
-    out = _serve(target_dir, head_dir, tmp_path / "server.log", 64, "adaptive", {"mixed": (_bodies(), 4)})
-    assert "ranks committed different tokens" not in out["log"]
-    _check_against_no_spec(out["mixed"], no_spec, "adaptive 64")
 
 
 @pytest.mark.slow
