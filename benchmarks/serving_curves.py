@@ -9,7 +9,11 @@ synthetic proposer at set acceptance rates.
 The prompts (held-out ShareGPT questions through the chat template, or HumanEval tasks as raw
 completions) are written to a ShareGPT-format file that bench_serving reads with its own
 sampler; every request asks for exactly --output-len tokens (bench_serving's ignore_eos),
-greedy. The target-alone server stays up for the whole run; the JETFLOW servers come up one
+greedy. With --vary-output-len each request asks for its own length instead, spread evenly
+over [--output-len / 3, 5 --output-len / 3] in a fixed order, the same on every server: with
+equal lengths the target alone's requests finish together and the next ones prefill together,
+while JETFLOW's commit at different rates and prefill one by one between decode rounds (each a
+forward pass the batch waits for), a lockstep that real answers of varied length do not have. The target-alone server stays up for the whole run; the JETFLOW servers come up one
 drafter at a time (the head, then the synthetic proposer at each p: the target's greedy
 continuation at each depth with probability p, else a wrong token; `JETFLOW_TEST_ORACLE_ACCEPT`).
 At each concurrency c the same --num-prompts requests (at least 2c) go to the target and
@@ -72,10 +76,22 @@ def prompt_texts(spec: str, limit: int, tokenizer, max_prompt_tokens: int) -> li
     return texts
 
 
-def write_sharegpt_file(texts: list[str], path: Path) -> None:
-    """bench_serving's ShareGPT format; the answer only sets a length, overridden by --sharegpt-output-len."""
-    rows = [{"id": str(i), "conversations": [{"from": "human", "value": t}, {"from": "gpt", "value": "ok ok ok ok"}]}
-            for i, t in enumerate(texts)]  # fmt: skip
+def spread_lengths(n: int, mean: int) -> list[int]:
+    """n output lengths spread evenly over [mean / 3, 5 mean / 3], in a fixed scrambled order."""
+    low, high = max(4, mean // 3), 5 * mean // 3
+    return [low + ((i * 37) % n) * (high - low) // max(1, n - 1) for i in range(n)]
+
+
+def write_sharegpt_file(texts: list[str], path: Path, tokenizer=None, lengths: list[int] | None = None) -> None:
+    """bench_serving's ShareGPT format. The answer only sets a length: overridden by
+    --sharegpt-output-len, or (`lengths`) an answer of exactly that many tokens."""
+    answers = ["ok ok ok ok"] * len(texts) if lengths is None else [" ok" * n for n in lengths]
+    if lengths is not None:
+        for n, answer in zip(lengths, answers):
+            if len(tokenizer.encode(answer, add_special_tokens=False)) != n:
+                raise SystemExit(f"serving_curves: an answer of {n} tokens did not encode to {n} tokens")
+    rows = [{"id": str(i), "conversations": [{"from": "human", "value": t}, {"from": "gpt", "value": a}]}
+            for i, (t, a) in enumerate(zip(texts, answers))]  # fmt: skip
     path.write_text(json.dumps(rows))
 
 
@@ -91,14 +107,16 @@ def write_oracle_file(url: str, texts: list[str], tokenizer, output_len: int, pa
 
 
 def bench_serving(url: str, tokenizer_path: str, dataset: Path, num_prompts: int, concurrency: int,
-                  output_len: int, result: Path) -> dict:  # fmt: skip
+                  output_len: int | None, result: Path) -> dict:  # fmt: skip
+    """output_len None: each request's length is its answer's in the dataset."""
     port = url.rsplit(":", 1)[1]
     result.unlink(missing_ok=True)
     proc = subprocess.run(
         [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1", "--port", port,
          "--tokenizer", tokenizer_path, "--dataset-name", "sharegpt", "--dataset-path", str(dataset),
-         "--num-prompts", str(num_prompts), "--sharegpt-output-len", str(output_len), "--max-concurrency", str(concurrency),
-         "--request-rate", "inf", "--seed", "1", "--disable-tqdm", "--output-file", str(result)],
+         "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
+         "--request-rate", "inf", "--seed", "1", "--disable-tqdm", "--output-file", str(result),
+         *(["--sharegpt-output-len", str(output_len)] if output_len else [])],
         capture_output=True, text=True, timeout=3600,
     )  # fmt: skip
     if proc.returncode != 0 or not result.is_file():
@@ -190,7 +208,7 @@ def cell_text(row: dict) -> str:
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     cells = [r for r in rows if "concurrency" in r]
-    print(f"\n{args.prompts}: {args.output_len} output tokens per request, {args.dtype}, median of {args.rounds} round(s); "
+    print(f"\n{args.prompts}: {'a mean of ' if args.vary_output_len else ''}{args.output_len} output tokens per request, {args.dtype}, median of {args.rounds} round(s); "
           "output tokens/s, ratio to the target alone, accept length")  # fmt: skip
     lines: dict[tuple, dict] = {}
     for r in cells:
@@ -233,6 +251,9 @@ def main() -> None:
     parser.add_argument("--drafters", type=drafter_list, default=["head", "p=0.6", "p=0.8"],
                         help="comma list, in order: head (the --head) and/or acceptance rates p of the synthetic proposer")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens per request (ignore_eos)")
+    parser.add_argument("--vary-output-len", action="store_true",
+                        help="each request asks for its own length, spread over [--output-len / 3, 5 --output-len / 3] "
+                             "(mean --output-len), the same on every server: no lockstep batches")
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds over all concurrencies (each cell's target and JETFLOW runs interleaved per round); "
                              "the table reports per-cell medians")
@@ -259,13 +280,14 @@ def main() -> None:
     datasets = {}
     for c, n in nums.items():  # the same n requests for every server at concurrency c
         datasets[c] = work / f"prompts{n}.json"
-        write_sharegpt_file(texts[:n], datasets[c])
+        write_sharegpt_file(texts[:n], datasets[c], tokenizer, spread_lengths(n, args.output_len) if args.vary_output_len else None)
     jetflow = variants(args, head_dir)
     adaptive = jetflow[-1].name
     trackers = {"target": AcceptTracker()}
 
     def run(fleet: Fleet, name: str, c: int) -> dict:
-        report = bench_serving(fleet.servers[name].url, target, datasets[c], nums[c], c, args.output_len, work / "result.jsonl")
+        fixed = None if args.vary_output_len else args.output_len
+        report = bench_serving(fleet.servers[name].url, target, datasets[c], nums[c], c, fixed, work / "result.jsonl")
         tau = trackers[name].add(report["total_output_tokens"], report["completed"], report.get("accept_length"))
         return {"output_throughput": round(report["output_throughput"], 2), "median_tpot_ms": round(report["median_tpot_ms"], 1),
                 "accept_length": round(tau, 3) if tau else None}  # fmt: skip
@@ -275,7 +297,8 @@ def main() -> None:
         fleet.start(Variant("target"), work / "target.log")
         oracle = work / "oracle.json"
         if any(d != "head" for d in args.drafters):
-            write_oracle_file(fleet.servers["target"].url, texts, tokenizer, args.output_len, oracle)
+            longest = 5 * args.output_len // 3 if args.vary_output_len else args.output_len
+            write_oracle_file(fleet.servers["target"].url, texts, tokenizer, longest, oracle)
         for k, drafter in enumerate(args.drafters):
             env = {} if drafter == "head" else {ORACLE_ENV: str(oracle), ORACLE_ACCEPT_ENV: drafter[2:]}
             for i, variant in enumerate(jetflow):
