@@ -13,8 +13,9 @@ greedy. With --vary-output-len each request asks for its own length instead, spr
 over [--output-len / 3, 5 --output-len / 3] in a fixed order, the same on every server: with
 equal lengths the target alone's requests finish together and the next ones prefill together,
 while JETFLOW's commit at different rates and prefill one by one between decode rounds (each a
-forward pass the batch waits for), a lockstep that real answers of varied length do not have. The target-alone server stays up for the whole run; the JETFLOW servers come up one
-drafter at a time (the head, then the synthetic proposer at each p: the target's greedy
+forward pass the batch waits for), a lockstep that real answers of varied length do not have.
+The target-alone server stays up for the whole run; the JETFLOW servers come up one drafter at a
+time (the head, then the synthetic proposer at each p: the target's greedy
 continuation at each depth with probability p, else a wrong token; `JETFLOW_TEST_ORACLE_ACCEPT`).
 At each concurrency c the same --num-prompts requests (at least 2c) go to the target and
 then to each JETFLOW variant, so a drafter's row and its target row are measured minutes
@@ -208,7 +209,8 @@ def cell_text(row: dict) -> str:
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     cells = [r for r in rows if "concurrency" in r]
-    print(f"\n{args.prompts}: {'a mean of ' if args.vary_output_len else ''}{args.output_len} output tokens per request, {args.dtype}, median of {args.rounds} round(s); "
+    lengths = f"a mean of {args.output_len}" if args.vary_output_len else str(args.output_len)
+    print(f"\n{args.prompts}: {lengths} output tokens per request, {args.dtype}, median of {args.rounds} round(s); "
           "output tokens/s, ratio to the target alone, accept length")  # fmt: skip
     lines: dict[tuple, dict] = {}
     for r in cells:

@@ -6,8 +6,9 @@ Every rank holds the head whole, gathers the target's vocabulary shards once, an
 and accepts the same tree (`jetflow_sglang.sglang_plugin.tensor_parallel`); with
 ``JETFLOW_TEST_TP_CHECK=1`` a server whose ranks commit different tokens stops at that round, and
 the requests below fail. In fp32 the JETFLOW server at --tp 3 gives the no-spec --tp 3 server's
-greedy token ids at static budget 16, with 32-token prefill chunks, 4 requests in flight, radix-cache hits (every prompt asked twice), a grammar
-request and sampled requests in the same batches. At static 16, one request at a time, it drafts
+greedy token ids at static budget 16, with 32-token prefill chunks, 4 requests in flight,
+radix-cache hits (every prompt asked twice), a grammar request and sampled requests in the same
+batches. At static 16, one request at a time, it drafts
 as one rank does: the same verify rounds and accepted drafts per prompt as the reference engine
 (whose rounds equal a --tp 1 server's: test_sglang_multiturn, test_sglang_hints). At --dp-size 2
 (two schedulers, a core each) every request is served as one rank serves it. --tp-size 2 itself,
