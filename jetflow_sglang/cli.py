@@ -289,13 +289,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="start the head's layers as copies of the target's last layers (default: off)")
     tr.add_argument("--init-head", default=None,
                     help="start from this head directory's weights with a new schedule and optimizer "
-                         "(continue a finished run; its architecture must match, except that a hinted run "
-                         "may start from a plain head)")
+                         "(continue a finished run; its architecture must match, except that a hinted or "
+                         "copying run may start from a plain head)")
     tr.add_argument("--lookup-hint", action=argparse.BooleanOptionalAction, default=None,
                     help="train a hinted head: each MASK slot also reads the prompt-lookup candidate for its "
                          "position and learns when to copy it (default: off)")
     tr.add_argument("--hint-dropout", type=float, default=None,
                     help="hinted heads: share of blocks trained without hints (default: 0.15)")
+    tr.add_argument("--copy-gate", action=argparse.BooleanOptionalAction, default=None,
+                    help="train a copying head: a learned gate mixes each depth's prompt-lookup candidate into "
+                         "its draft distribution (default: off)")
+    tr.add_argument("--copy-lr", type=float, default=None, help="copying heads: the copy gate's peak learning rate (default: 0.01)")
     tr.add_argument("--checkpoint-every", type=_positive("checkpoint every"), default=None,
                     help="steps between checkpoints (and held-out metrics)")
     tr.add_argument("--val-blocks", type=_positive("val blocks"), default=None, help="held-out blocks scored per checkpoint")

@@ -30,13 +30,14 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from jetflow_sglang import published
+from jetflow_sglang.copy_gate import CopyGate
 from jetflow_sglang.cpu_linear import can_pack, pack_linears, pack_weight, packed_linear
 from jetflow_sglang.errors import JetFlowError
 from jetflow_sglang.head_config import ARCHITECTURE, JetFlowConfig, default_tap_layers
 from jetflow_sglang.lookup import hint_kind_count
 from jetflow_sglang.tree import Candidates, top_candidates
 
-__all__ = ["ARCHITECTURE", "WEIGHTS_FILE", "JetFlowConfig", "JetFlowHead", "default_tap_layers"]
+__all__ = ["ARCHITECTURE", "WEIGHTS_FILE", "JetFlowConfig", "JetFlowHead", "default_tap_layers", "draft_id_map"]
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -64,6 +65,15 @@ def rotate(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
 
 
 Hints = tuple[Tensor, Tensor]  # lookup hint tokens and kinds (`lookup.lookup_hint`), [b, slots] each
+
+
+def draft_id_map(draft_vocab: Tensor | None, vocab_size: int) -> Tensor:
+    """target id -> draft row (-1 outside the draft vocabulary) [V]."""
+    if draft_vocab is None:
+        return torch.arange(vocab_size)
+    table = torch.full((vocab_size,), -1, dtype=torch.long, device=draft_vocab.device)
+    table[draft_vocab] = torch.arange(len(draft_vocab), device=draft_vocab.device)
+    return table
 LayerAttention = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q, block_k, block_v) -> [b, heads, Q, d]
 Attention = Callable[[int, Tensor, Tensor, Tensor], Tensor]  # the same, given the layer index first
 
@@ -157,6 +167,10 @@ class JetFlowHead(nn.Module):
         self.layers = nn.ModuleList(HeadLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.mask_embedding = None if config.mask_from_target else nn.Parameter(torch.zeros(hidden))
+        # Copying heads (`config.lookup_copy`): the draft distribution of each depth is mixed with
+        # its lookup hint by a learned gate (`copy_gate.CopyGate`). Registered last, so the other
+        # parameters draw the same initial values as in a head without it.
+        self.copy_gate = CopyGate(hidden, config.block_size - 1, hint_kind_count(config.lookup_hint_ngram)) if config.lookup_copy else None
         inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         if config.draft_vocab_size:
@@ -167,6 +181,7 @@ class JetFlowHead(nn.Module):
         self._target_lm_head: Tensor | None = None
         self._draft_lm_head: Tensor | None = None
         self._packed_lm_head: Tensor | None = None  # `pack_for_cpu`
+        self._to_draft: Tensor | None = None  # target id -> draft row, for the copy gate
 
     def init_weights(self, seed: int = 0) -> "JetFlowHead":
         generator = torch.Generator().manual_seed(seed)
@@ -182,19 +197,24 @@ class JetFlowHead(nn.Module):
 
     @torch.no_grad()
     def zero_hints(self) -> "JetFlowHead":
-        """Zero the hint path (a hinted head then drafts as the same head without hints)."""
+        """Zero the hint path (a hinted head then drafts as the same head without hints) and
+        reset the copy gate (g = 1/2)."""
         if self.hint_proj is not None:
             self.hint_proj.weight.zero_()
             self.hint_kind_embedding.zero_()
+        if self.copy_gate is not None:
+            self.copy_gate.reset()
         return self
 
     def bind_target(self, embedding: Tensor, lm_head: Tensor) -> "JetFlowHead":
         """Share the frozen target embedding [V, H] and lm_head [V, H] (never part of state_dict)."""
         # Plain (detached) tensors: assigning an nn.Parameter would register it as the head's own.
         self._target_embedding, self._target_lm_head = embedding.detach(), lm_head.detach()
-        self._draft_lm_head = self._packed_lm_head = None
+        self._draft_lm_head = self._packed_lm_head = self._to_draft = None
         if self.draft_vocab is not None:
             self._draft_lm_head = self._target_lm_head.index_select(0, self.draft_vocab.to(lm_head.device))
+            if self.copy_gate is not None:
+                self._to_draft = draft_id_map(self.draft_vocab.to(lm_head.device), self.config.target_vocab_size)
         return self
 
     def pack_for_cpu(self) -> "JetFlowHead":
@@ -302,24 +322,31 @@ class JetFlowHead(nn.Module):
         # measured 3x slower in fp32 and 50-100x slower in bf16 than over a copy
         return F.linear(hidden.contiguous(), lm_head.to(hidden.dtype))
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        """Logits over the target vocabulary [..., V]; -inf outside a pruned draft vocabulary."""
+    def logits(self, hidden: Tensor, hints: Hints | None = None) -> Tensor:
+        """Logits over the target vocabulary [..., V]; -inf outside a pruned draft vocabulary. A
+        copying head given per-depth hints [..., D] returns the log-probs of its copy mixture."""
         logits = self.draft_vocab_logits(hidden)
-        if self.draft_vocab is None:
+        if self.draft_vocab is not None:
+            full = logits.new_full((*logits.shape[:-1], self.config.target_vocab_size), float("-inf"))
+            logits = full.index_copy_(-1, self.draft_vocab, logits)
+        if self.copy_gate is None or hints is None:
             return logits
-        full = logits.new_full((*logits.shape[:-1], self.config.target_vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.draft_vocab, logits)
+        return self.copy_gate.mix(hidden, logits.float().log_softmax(-1), hints)
 
-    def draft_candidates(self, hidden: Tensor, width: int) -> Candidates:
-        """The top-`width` draft tokens of draft hidden states [..., H] (`draft_hidden`): log-probs and
-        target token ids [..., k], by a log-softmax and top-k over the draft vocabulary only
-        (`tree.top_candidates`): no target-vocabulary logits are built."""
-        return top_candidates(self.draft_vocab_logits(hidden), width, self.draft_vocab)
+    def draft_candidates(self, hidden: Tensor, width: int, hints: Hints | None = None) -> Candidates:
+        """The top-`width` draft tokens of draft hidden states [..., D, H] (`draft_hidden`): log-probs and
+        target token ids [..., D, k], by a log-softmax and top-k over the draft vocabulary only
+        (`tree.top_candidates`): no target-vocabulary logits are built. A copying head given
+        per-depth hints [..., D] lists the top tokens of its copy mixture (`CopyGate.candidates`)."""
+        logits = self.draft_vocab_logits(hidden)
+        if self.copy_gate is None or hints is None:
+            return top_candidates(logits, width, self.draft_vocab)
+        return self.copy_gate.candidates(hidden, logits.float().log_softmax(-1), hints, width, self.draft_vocab, self._to_draft)
 
     def draft(self, anchors: Tensor, anchor_positions: Tensor, context: list[tuple[Tensor, Tensor]], context_valid: Tensor | None = None,
               anchor_context: Tensor | None = None, hints: Hints | None = None) -> Tensor:  # fmt: skip
         """Draft logits for depths 1..B-1 [b, B-1, V] (`draft_hidden`, then `logits`)."""
-        return self.logits(self.draft_hidden(anchors, anchor_positions, context, context_valid, anchor_context, hints))
+        return self.logits(self.draft_hidden(anchors, anchor_positions, context, context_valid, anchor_context, hints), hints)
 
     def draft_hidden(self, anchors: Tensor, anchor_positions: Tensor, context: list[tuple[Tensor, Tensor]],
                      context_valid: Tensor | None = None, anchor_context: Tensor | None = None,

@@ -50,6 +50,10 @@ class JetFlowConfig:
     # tokens) and its kind, so the head learns when to copy the context and when to correct it.
     lookup_hint: bool = False
     lookup_hint_ngram: int = 3
+    # Copying: each depth's draft distribution is mixed with that lookup candidate by a learned
+    # gate (`copy_gate.CopyGate`), so a head drafts what the context repeats, even outside its
+    # draft vocabulary. Independent of `lookup_hint` (the hint as an input).
+    lookup_copy: bool = False
 
     def __post_init__(self) -> None:
         if self.mask_token_id < 0:
@@ -63,7 +67,7 @@ class JetFlowConfig:
             raise JetFlowError("anchor fusion needs the head's own MASK: drop --mask-token-id or use --no-anchor-fusion")
         if self.lookup_hint and (not self.anchor_fusion or self.mask_from_target):
             raise JetFlowError("a hinted head (lookup_hint) needs anchor fusion and the head's own MASK embedding")
-        if self.lookup_hint and self.lookup_hint_ngram < 1:
+        if self.reads_hints and self.lookup_hint_ngram < 1:
             raise JetFlowError(f"lookup_hint_ngram must be at least 1, got {self.lookup_hint_ngram}")
         if self.block_size < 2:
             raise JetFlowError(f"block size must be at least 2, got {self.block_size}")
@@ -77,6 +81,11 @@ class JetFlowConfig:
             raise JetFlowError(f"sliding-window layers need a window of at least 1 position, got {self.sliding_window}")
         if not 0 <= self.draft_vocab_size <= self.target_vocab_size:
             raise JetFlowError(f"draft vocabulary size must be in 0..{self.target_vocab_size}, got {self.draft_vocab_size}")
+
+    @property
+    def reads_hints(self) -> bool:
+        """Whether drafting takes the lookup hints of each depth (a hinted or a copying head)."""
+        return self.lookup_hint or self.lookup_copy
 
     def layer_causal(self, layer: int) -> bool:
         """Whether block slot i sees only slots <= i in this layer (sliding layers always do)."""

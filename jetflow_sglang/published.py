@@ -162,6 +162,8 @@ def export_problems(config) -> list[str]:
         problems.append("it drafts over a pruned vocabulary")
     if getattr(config, "lookup_hint", False):
         problems.append("it reads prompt-lookup hints in its MASK slots")
+    if getattr(config, "lookup_copy", False):
+        problems.append("it mixes prompt-lookup hints into its draft distribution (a copy gate)")
     return problems
 
 

@@ -70,9 +70,9 @@ def test_hints_read_only_the_past():
 
 
 def plain_copy(head: JetFlowHead) -> JetFlowHead:
-    """The same head without a hint path (a hinted head's weights less hint_proj and the kinds)."""
-    plain = JetFlowHead(dataclasses.replace(head.config, lookup_hint=False)).to(head.fc.weight.dtype)
-    plain.load_state_dict({k: v for k, v in head.state_dict().items() if not k.startswith("hint_")})
+    """The same head without a hint path or a copy gate (its weights less hint_proj, the kinds and the gate)."""
+    plain = JetFlowHead(dataclasses.replace(head.config, lookup_hint=False, lookup_copy=False)).to(head.fc.weight.dtype)
+    plain.load_state_dict({k: v for k, v in head.state_dict().items() if not k.startswith(("hint_", "copy_gate."))})
     if head._target_embedding is not None:
         plain.bind_target(head._target_embedding, head._target_lm_head)
     return plain

@@ -1,4 +1,4 @@
-"""A hinted head in the SGLang worker: lookup hints built from the worker's committed ids
+"""A hinted (and copying) head in the SGLang worker: lookup hints built from the worker's committed ids
 (sglang_plugin/hints.py), carried through the draft pass and its CUDA-graph replay buffers
 (proposer.py, draft_graphs.py, here in the "padded" mode), and served end to end: a hinted head
 drafts in the server exactly as in the HF reference engine, with the free branch on and off."""
@@ -68,21 +68,25 @@ def test_hints_read_the_committed_ids_and_the_branch_reuses_them():
     assert RoundLookups(None, DEPTHS, hint_ngram=3).reads_ids and RoundLookups(branch, DEPTHS, 0).reads_ids
 
 
-def hinted_small_head(seed: int = 3) -> JetFlowHead:
-    """`test_head.small_head` with anchor fusion and a random (non-zero) hint path."""
-    head = small_head(seed=seed, lookup_hint=True, **FUSED)
+def hinted_small_head(seed: int = 3, copying: bool = False) -> JetFlowHead:
+    """`test_head.small_head` with anchor fusion and a random (non-zero) hint path, and a random
+    copy gate if `copying`."""
+    head = small_head(seed=seed, lookup_hint=True, lookup_copy=copying, **FUSED)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         head.hint_proj.weight.copy_(torch.randn(head.hint_proj.weight.shape, generator=gen) * 0.3)
         head.hint_kind_embedding.copy_(torch.randn(head.hint_kind_embedding.shape, generator=gen))
+        for param in head.copy_gate.parameters() if copying else ():
+            param.copy_(torch.randn(param.shape, generator=gen))
     return head
 
 
-def test_padded_draft_with_hints_equals_eager_and_pads_with_kind_0():
-    """PagedHeadProposer with a hinted head: the paged draft with hints equals the dense `draft` with
-    the same hints; padded to a replay bucket it gives the eager logits, padding rows (and a
-    batch given no hints) read kind 0."""
-    head = hinted_small_head()
+@pytest.mark.parametrize("copying", [False, True], ids=["hinted", "hinted-and-copying"])
+def test_padded_draft_with_hints_equals_eager_and_pads_with_kind_0(copying):
+    """PagedHeadProposer with a hinted head (and one that also copies): the paged draft with hints
+    equals the dense `draft` with the same hints; padded to a replay bucket it gives the eager
+    logits, padding rows (and a batch given no hints) read kind 0."""
+    head = hinted_small_head(copying=copying)
     depths = head.config.block_size - 1
     gen = torch.Generator().manual_seed(4)
     lens, rows = [10, 23, 1], [3, 0, 4]
@@ -130,15 +134,20 @@ SERVED = [(REPETITIVE, False, 40), (CODE, False, 32), ("List three fruits.", Tru
 
 
 def hinted_shipped_head(shipped: str, directory) -> str:
-    """The shipped head with a hint path (`lookup_hint`) of seeded random weights, saved to `directory`."""
+    """The shipped head with a hint path (`lookup_hint`) and a copy gate (`lookup_copy`) of seeded
+    random weights, saved to `directory`."""
     plain = plain_copy(JetFlowHead.load(shipped))
-    head = JetFlowHead(dataclasses.replace(plain.config, lookup_hint=True))
+    head = JetFlowHead(dataclasses.replace(plain.config, lookup_hint=True, lookup_copy=True))
     missing, unexpected = head.load_state_dict(plain.state_dict(), strict=False)
-    assert sorted(missing) == ["hint_kind_embedding", "hint_proj.weight"] and not unexpected
+    assert sorted(missing) == ["copy_gate.bias", "copy_gate.feature_weights", "copy_gate.proj.weight",
+                               "hint_kind_embedding", "hint_proj.weight"] and not unexpected  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         head.hint_proj.weight.copy_(torch.randn(head.hint_proj.weight.shape, generator=gen) * 0.1)
         head.hint_kind_embedding.copy_(torch.randn(head.hint_kind_embedding.shape, generator=gen) * 0.3)
+        head.copy_gate.proj.weight.copy_(torch.randn(head.copy_gate.proj.weight.shape, generator=gen) * 0.05)
+        head.copy_gate.bias.copy_(torch.randn(head.copy_gate.bias.shape, generator=gen))  # copies some hints, not all
+        head.copy_gate.feature_weights.copy_(torch.tensor([0.2, -0.2]))
     head.save(directory)
     return str(directory)
 
@@ -165,7 +174,7 @@ def accept_histogram(accept_lengths: list[int]) -> list[int]:
 
 @pytest.mark.slow
 def test_hinted_head_drafts_in_the_server_as_in_the_reference_engine(tmp_path):
-    """A hinted head (the shipped head plus a random hint path) served at a static budget of 16 (fp32,
+    """A hinted, copying head (the shipped head plus a random hint path and copy gate) served at a static budget of 16 (fp32,
     16-token prefill chunks, three requests batched, then again on radix-cache hits), with the free branch
     on and off (`JETFLOW_LOOKUP=0`: hints still read): the target's greedy ids, and each request's
     verify rounds, accepted drafts and rounds per accepted count equal the HF reference engine's

@@ -180,6 +180,25 @@ def test_resume_repeats_the_uninterrupted_run_exactly(data_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_copy_gate_trains_alone_without_moving_the_head_and_resumes_exactly(data_dir, tmp_path):
+    """`--copy-gate --lr 0`: the gate's own loss and learning rate move the gate and nothing else
+    (the head equals a plain run's at lr 0), every step logs the gate's loss, and a resumed run
+    repeats the uninterrupted one."""
+    gate = ["--copy-gate", "--lr", "0", "--copy-lr", "1e-2"]
+    assert _train(data_dir, tmp_path / "plain", 4, "--lr", "0") == 0
+    assert _train(data_dir, tmp_path / "straight", 4, *gate) == 0
+    assert _train(data_dir, tmp_path / "resumed", 2, *gate) == 0
+    assert _train(data_dir, tmp_path / "resumed", 4, *gate, "--resume") == 0
+    plain, straight, resumed = (load_file(str(tmp_path / d / "train_state.safetensors")) for d in ("plain", "straight", "resumed"))
+    head_keys = [k for k in straight if k.startswith("head.") and not k.startswith("head.copy_gate.")]
+    assert head_keys and all(torch.equal(straight[k], plain[k]) for k in head_keys)
+    assert any(straight[k].any() for k in straight if k.startswith("head.copy_gate."))  # started at zero, moved
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    history = json.loads((tmp_path / "straight" / "train_state.json").read_text())["history"]
+    assert all(math.isfinite(h["copy_loss"]) for h in history)
+
+
+@pytest.mark.slow
 def test_torchrun_ddp_on_two_cpu_processes(data_dir, tmp_path):
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

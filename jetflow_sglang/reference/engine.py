@@ -163,7 +163,7 @@ class ReferenceEngine:
                 tree = chain_tree(anchor, [chain], self.budget - 1, self.lookup_scores)
             else:
                 hints = None
-                if self.proposer.hint_ngram:  # a hinted head reads the lookup's candidate
+                if self.proposer.hint_ngram:  # a hinted or copying head reads the lookup's candidate
                     hint_tokens, kinds = lookup_hint(context, depths, self.proposer.hint_ngram)
                     hints = (torch.tensor([hint_tokens]), torch.tensor([kinds]))
                 draft_top = self.proposer.propose_topk(anchor, position, self.width, hints)

@@ -40,7 +40,7 @@ class HeadProposer:
     def __init__(self, head: JetFlowHead, capacity: int = 8192) -> None:
         self.head = head
         self.block_size = head.config.block_size
-        self.hint_ngram = head.config.lookup_hint_ngram if head.config.lookup_hint else 0
+        self.hint_ngram = head.config.lookup_hint_ngram if head.config.reads_hints else 0
         self.capacity = capacity
         self.length = 0
         self._keys: list[Tensor] = []
@@ -82,13 +82,13 @@ class HeadProposer:
 
     @torch.inference_mode()
     def propose(self, anchor: Tensor, position: int, hints: Hints | None = None) -> Tensor:
-        return self.head.logits(self._draft_hidden(anchor, position, hints))
+        return self.head.logits(self._draft_hidden(anchor, position, hints), hints)
 
     @torch.inference_mode()
     def propose_topk(self, anchor: Tensor, position: int, width: int, hints: Hints | None = None) -> Candidates:
         """The top-`width` lists over the draft vocabulary (`JetFlowHead.draft_candidates`): what the
         SGLang worker's proposer computes, so both engines build the same trees."""
-        return self.head.draft_candidates(self._draft_hidden(anchor, position, hints), width)
+        return self.head.draft_candidates(self._draft_hidden(anchor, position, hints), width, hints)
 
     @torch.inference_mode()
     def refresh(self, tree: DraftTree, position: int) -> Tensor:

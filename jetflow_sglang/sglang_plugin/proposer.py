@@ -68,7 +68,7 @@ class PagedHeadProposer:
         self.projected: Tensor | None = None
         if head.anchor_fuse is not None:
             self.projected = torch.zeros(num_slots, config.hidden_size, dtype=dtype, device=device)
-        self.hint_depth = self.block_size - 1 if config.lookup_hint else 0  # a hinted head reads hints per depth
+        self.hint_depth = self.block_size - 1 if config.reads_hints else 0  # a hinted or copying head reads hints per depth
         self.runner = DraftGraphRunner(self.draft, (), device, "eager", self.hint_depth)
 
     @torch.inference_mode()
@@ -112,7 +112,7 @@ class PagedHeadProposer:
         if self.hint_depth and hint_tokens is not None and hint_kinds is not None:
             hints = (hint_tokens, hint_kinds)
         hidden = self.head.draft_hidden_with(anchors, seq_lens, attend, anchor_context, hints)
-        return self.head.draft_candidates(hidden, self.width)
+        return self.head.draft_candidates(hidden, self.width, hints)
 
     def use_graphs(self, batch_sizes: Sequence[int], mode: str) -> None:
         """Run the draft pass through `DraftGraphRunner` (mode "graph": CUDA graphs per batch size)."""

@@ -94,8 +94,8 @@ class JetFlowWorker(BaseSpecWorker):
         self.proposer: Optional[BatchProposer] = None
         self.lookup = LookupBranch(self.depths) if lookup_enabled() else None
         self.lookup_only = lookup_mode() == "only"  # the head never drafts: the baseline
-        hint_ngram = head.config.lookup_hint_ngram if head.config.lookup_hint else 0
-        self.lookups = RoundLookups(self.lookup, self.depths, hint_ngram)  # chains and a hinted head's hints
+        hint_ngram = head.config.lookup_hint_ngram if head.config.reads_hints else 0
+        self.lookups = RoundLookups(self.lookup, self.depths, hint_ngram)  # chains and a hinted or copying head's hints
         # Adaptive by default (the budget is its cap); JETFLOW_BUDGET=static: always the cap. A cost
         # table of another dtype or machine is refused here, where both are known.
         self.test_hooks = WorkerTestHooks.from_env()  # JETFLOW_TEST_*: read once, here

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from jetflow_sglang.head import JetFlowHead
+from jetflow_sglang.head import JetFlowHead, draft_id_map  # noqa: F401 (draft_id_map: the training's name for it too)
 
 LOSSES = ("fkl", "rkl", "sft")
 LOSS_CHUNK_ROWS = 4096  # draft-lm_head rows per chunk of the loss
@@ -43,15 +43,6 @@ def soft_label_loss(draft_logits: Tensor, topk_ids: Tensor, topk_logprobs: Tenso
     else:
         per_slot = (q_top * (log_q_top - log_p)).sum(-1) + q_tail * (q_tail.log() - p_tail.log())
     return (per_slot * valid * row_weights).sum()
-
-
-def draft_id_map(draft_vocab: Tensor | None, vocab_size: int) -> Tensor:
-    """target id -> draft id (-1 outside the draft vocabulary) [V]."""
-    if draft_vocab is None:
-        return torch.arange(vocab_size)
-    table = torch.full((vocab_size,), -1, dtype=torch.long)
-    table[draft_vocab.cpu()] = torch.arange(len(draft_vocab))
-    return table
 
 
 def _response_counts(store, vocab_size: int) -> Tensor:
@@ -89,6 +80,35 @@ def slot_targets(store, seq_index: Tensor, label_positions: Tensor, to_draft: Te
     labels = to_draft[store.input_ids[token_rows]].masked_fill(invalid, -1)
     return topk_ids, store.topk_logprobs[token_rows - 1], labels
 
+
+
+def slot_tokens(store, seq_index: Tensor, label_positions: Tensor) -> Tensor:
+    """The true token (target id) of every slot [nb, B-1]; -1 past the end."""
+    rows = store.offsets[seq_index][:, None] + label_positions.clamp(min=0)
+    return store.input_ids[rows].masked_fill(label_positions < 0, -1)
+
+
+COPY_BLOCKS = 256  # blocks per step whose slots train the copy gate
+
+
+def copy_gate_loss(head: JetFlowHead, hidden: Tensor, hints: tuple[Tensor, Tensor], labels: Tensor,
+                   generator: torch.Generator, max_blocks: int = COPY_BLOCKS) -> Tensor:  # fmt: skip
+    """Mean -log q_mix(true token) (`CopyGate.nll`) over the hinted, labelled slots of at most
+    `max_blocks` blocks drawn at random; the head's log-probs are held fixed, so the gradient
+    reaches the copy gate only. hidden [nb, D, H]; hints (tokens, kinds) and labels (target ids,
+    -1: none) [nb, D]."""
+    tokens, kinds = hints
+    valid = (kinds > 0) & (labels >= 0)
+    blocks = valid.any(1).nonzero().squeeze(1)
+    if len(blocks) > max_blocks:
+        blocks = blocks[torch.randperm(len(blocks), generator=generator)[:max_blocks].to(blocks.device)]
+    if len(blocks) == 0:
+        return hidden.new_zeros((), dtype=torch.float32)
+    chosen = hidden.detach()[blocks]
+    with torch.no_grad():
+        log_q = head.draft_vocab_logits(chosen).float().log_softmax(-1)
+    loss = head.copy_gate.nll(chosen, log_q, (tokens[blocks], kinds[blocks]), labels[blocks], head._to_draft)
+    return loss.sum() / valid[blocks].sum()
 
 
 def fkl_value_and_grad(logits: Tensor, topk_ids: Tensor, topk_logprobs: Tensor) -> tuple[Tensor, Tensor]:

@@ -34,8 +34,9 @@ from jetflow_sglang.head import JetFlowConfig, JetFlowHead
 from jetflow_sglang.training import distributed
 from jetflow_sglang.training.blocks import BlockDrafter
 
-from jetflow_sglang.training.objective import (LOSSES, depth_weights, draft_id_map, draw_slots, loss_and_backward,
-                                               most_frequent_tokens, slot_targets, vocab_coverage)  # fmt: skip
+from jetflow_sglang.lookup import lookup_hints_batched
+from jetflow_sglang.training.objective import (LOSSES, copy_gate_loss, depth_weights, draft_id_map, draw_slots, loss_and_backward,
+                                               most_frequent_tokens, slot_targets, slot_tokens, vocab_coverage)  # fmt: skip
 
 
 @dataclass
@@ -69,21 +70,25 @@ class TrainConfig:
     init_head: str = ""  # start from this head's weights (a new schedule and optimizer: continue a finished run)
     lookup_hint: bool = False  # MASK slots read the prompt-lookup candidate for their position (a hinted head)
     hint_dropout: float = 0.15  # hinted heads: share of blocks trained without hints (kind 0), as after a retraction
+    copy_gate: bool = False  # mix each depth's lookup hint into the draft distribution by a learned gate (a copying head)
+    copy_lr: float = 1e-2  # the copy gate's peak learning rate (a few hundred weights: it may move fast)
     checkpoint_every: int = 200
     val_blocks: int = 1024  # held-out blocks scored at each checkpoint
     seed: int = 0
     resume: bool = False
 
 
-HINT_KEYS = ("lookup_hint", "lookup_hint_ngram")
+HINT_KEYS = ("lookup_hint", "lookup_hint_ngram", "lookup_copy")
 
 
-def learning_rate(config: TrainConfig, step: int) -> float:
+def learning_rate(config: TrainConfig, step: int, peak: float | None = None) -> float:
+    """Linear warm-up to `peak` (the head's: config.lr), then a cosine to min_lr_ratio of it."""
+    peak = config.lr if peak is None else peak
     if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
+        return peak * (step + 1) / config.warmup_steps
     progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-    floor = config.lr * config.min_lr_ratio
-    return floor + 0.5 * (config.lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
+    floor = peak * config.min_lr_ratio
+    return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 # ------------------------------------------------------------------------- the forward
@@ -143,6 +148,8 @@ def _check_config(config: TrainConfig) -> None:
         raise JetFlowError(f"--depth-decay must be 0 (uniform) or positive, got {config.depth_decay}")
     if not 0 <= config.hint_dropout <= 1:
         raise JetFlowError(f"--hint-dropout must be in [0, 1], got {config.hint_dropout}")
+    if config.copy_lr < 0:
+        raise JetFlowError(f"--copy-lr must be 0 or positive, got {config.copy_lr}")
     if config.draft_vocab < 0:
         raise JetFlowError(f"--draft-vocab must be 0 (all) or a positive size, got {config.draft_vocab}")
 
@@ -175,13 +182,17 @@ def load_store(target, target_dir: Path, data: str, max_seq_len: int, log=print)
 @torch.no_grad()
 def load_init_head(head_spec: str, target_dir: Path, head_config: JetFlowConfig) -> JetFlowHead:
     """The head a run starts from (`default` or a directory); its architecture must be this run's,
-    except that a hinted run may start from a plain head (its hint path then starts at zero)."""
+    except that a hinted or copying run may start from a head without that path (which then starts
+    at zero: `start_from`)."""
     from jetflow_sglang.assets import load_head
 
     start = load_head(head_spec, target_dir)
     mine, theirs = head_config.to_json_dict(), start.config.to_json_dict()
-    if head_config.lookup_hint and not start.config.lookup_hint:
-        theirs = {**theirs, "jetflow": {**theirs["jetflow"], **{k: mine["jetflow"][k] for k in HINT_KEYS}}}
+    if head_config.reads_hints and not (start.config.lookup_hint and start.config.lookup_copy):
+        adds = [k for k in ("lookup_hint", "lookup_copy") if mine["jetflow"][k] and not theirs["jetflow"][k]]
+        if adds:
+            theirs = {**theirs, "jetflow": {**theirs["jetflow"], "lookup_hint_ngram": mine["jetflow"]["lookup_hint_ngram"],
+                                            **{k: True for k in adds}}}  # fmt: skip
     differing = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
     if differing:
         raise JetFlowError(f"--init-head {head_spec} does not match this run's head: {', '.join(differing)} differ")
@@ -191,12 +202,17 @@ def load_init_head(head_spec: str, target_dir: Path, head_config: JetFlowConfig)
 @torch.no_grad()
 def start_from(head: JetFlowHead, start: JetFlowHead) -> None:
     """Copy `start`'s weights and draft vocabulary into `head` (`load_init_head` checked that they
-    fit); a plain head started as a hinted one gets a zero hint path, a hinted one keeps its own."""
+    fit); a plain head started as a hinted or copying one gets a zero hint path and an untrained
+    copy gate, and keeps those it has."""
     missing, unexpected = head.load_state_dict(start.state_dict(), strict=False)
-    if unexpected or any(not k.startswith("hint_") for k in missing):
+    if unexpected or any(not k.startswith(("hint_", "copy_gate.")) for k in missing):
         raise JetFlowError(f"the starting head's weights do not fit: {missing + unexpected}")
-    if missing:
-        head.zero_hints()
+    with torch.no_grad():
+        if any(k.startswith("hint_") for k in missing):
+            head.hint_proj.weight.zero_()
+            head.hint_kind_embedding.zero_()
+        if any(k.startswith("copy_gate.") for k in missing):
+            head.copy_gate.reset()
 
 
 @torch.no_grad()
@@ -228,6 +244,8 @@ def train(config: TrainConfig, log=print) -> dict:
 
     _check_config(config)
     rank, world, device = distributed.setup()
+    if config.copy_gate and world > 1:
+        raise JetFlowError("--copy-gate trains on one process only (its loss sits outside the data-parallel graph)")
     out = Path(config.out)
     target_dir = resolve_target(config.target)
     compute_dtype = fast_dtype() if device.type == "cpu" else torch.bfloat16
@@ -238,7 +256,7 @@ def train(config: TrainConfig, log=print) -> dict:
         target.config, num_layers=config.layers, block_size=config.block_size, causal=config.mask == "causal",
         draft_vocab_size=draft_vocab_size, tap_norm=config.tap_norm, anchor_fusion=config.anchor_fusion,
         qk_norm=config.qk_norm, mask_from_target=config.mask_token_id >= 0, mask_token_id=config.mask_token_id,
-        lookup_hint=config.lookup_hint,
+        lookup_hint=config.lookup_hint, lookup_copy=config.copy_gate,
     )  # fmt: skip
     if not config.resume and (out / "config.json").exists():
         raise JetFlowError(f"{out} already holds a head; pass --resume or choose another --out")
@@ -271,11 +289,15 @@ def train(config: TrainConfig, log=print) -> dict:
             coverage = vocab_coverage(store, head.draft_vocab, vocab)
     head = head.to(device).bind_target(embedding, lm_head)
     del target  # only its embedding and lm_head are needed from here on
-    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
+    gate = set(head.copy_gate.parameters()) if head.copy_gate is not None else set()
+    groups = [{"params": [p for p in head.parameters() if p not in gate], "peak": config.lr}]
+    if gate:  # same schedule shape, its own peak; no weight decay on a gate's few weights
+        groups.append({"params": list(head.copy_gate.parameters()), "peak": config.copy_lr, "weight_decay": 0.0})
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     step, history, evals = 0, [], []
     if config.resume:
         step, history, evals = _resume(head, optimizer, out, config)
-    to_draft = draft_id_map(head.draft_vocab, vocab)
+    to_draft = draft_id_map(None if head.draft_vocab is None else head.draft_vocab.cpu(), vocab)
     weights = depth_weights(config.block_size - 1, config.depth_decay)
     drafter = BlockDrafter(head)
     if world > 1:
@@ -304,7 +326,7 @@ def train(config: TrainConfig, log=print) -> dict:
             reveal = torch.where(torch.rand(len(rows), generator=generator) < config.reveal, revealed, 0)
             hint_keep = torch.rand(len(rows), generator=generator) >= config.hint_dropout if config.lookup_hint else None
             for group in optimizer.param_groups:
-                group["lr"] = learning_rate(config, step)
+                group["lr"] = learning_rate(config, step, group["peak"])
             batch = [t.to(device) for t in (features, input_ids, rows, anchors, lengths, reveal)]
             with autocast:
                 hidden, label_positions = drafter(*batch, width, None if hint_keep is None else hint_keep.to(device))
@@ -316,6 +338,17 @@ def train(config: TrainConfig, log=print) -> dict:
                     loss_weights = None
                 loss, hits, _ = loss_and_backward(head, hidden, topk_ids.to(device), topk_logprobs.to(device),
                                                   labels.to(device), config.loss, loss_weights)  # fmt: skip
+                copy_loss = None
+                if head.copy_gate is not None:
+                    tokens, kinds = lookup_hints_batched(input_ids, rows, anchors, width - 1, head.config.lookup_hint_ngram)
+                    keep = torch.arange(1, width)[None, :] > reveal[:, None]  # a revealed slot holds its true token
+                    if hint_keep is not None:
+                        keep = keep & hint_keep[:, None]
+                    true_tokens = slot_tokens(store, seq_index[rows], label_positions.cpu())
+                    hints = (tokens.to(device), (kinds * keep).to(device))
+                    copy_loss = copy_gate_loss(head, hidden, hints, true_tokens.to(device), generator)
+                    copy_loss.backward()
+                    copy_loss = copy_loss.item()
             torch.nn.utils.clip_grad_norm_(head.parameters(), config.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -325,7 +358,8 @@ def train(config: TrainConfig, log=print) -> dict:
             predicted = labels >= 0
             depth_top1 = (hits.sum(0) / predicted.sum(0).clamp(min=1)).tolist()
             history.append({"step": step, "loss": loss, "lr": learning_rate(config, step - 1), "blocks": len(rows),
-                            "top1": [round(x, 4) for x in depth_top1]})  # fmt: skip
+                            "top1": [round(x, 4) for x in depth_top1],
+                            **({"copy_loss": round(copy_loss, 4)} if copy_loss is not None else {})})  # fmt: skip
             elapsed = time.perf_counter() - start
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", top1_d1=f"{depth_top1[0]:.2f}", blocks_s=f"{blocks_seen / elapsed:.0f}")
@@ -425,7 +459,7 @@ def _resume(head: JetFlowHead, optimizer, out: Path, config: TrainConfig) -> tup
     saved = meta["config"]
     defaults = TrainConfig()  # checkpoints from before a field existed were trained with its default
     for key in ("loss", "mask", "block_size", "layers", "target", "draft_vocab", "tap_norm", "anchor_fusion", "qk_norm", "mask_token_id",
-                "lookup_hint", "hint_dropout"):  # fmt: skip
+                "lookup_hint", "hint_dropout", "copy_gate"):  # fmt: skip
         if saved.get(key, getattr(defaults, key)) != getattr(config, key):
             raise JetFlowError(f"resume checkpoint in {out} was trained with {key}={saved.get(key)!r}, not {getattr(config, key)!r}")
     state = load_file(str(state_path))

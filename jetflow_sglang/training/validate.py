@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from jetflow_sglang.head import JetFlowHead
-from jetflow_sglang.lookup import lookup_draft
+from jetflow_sglang.lookup import lookup_draft, lookup_hints_batched
 from jetflow_sglang.training.blocks import head_forward_sequences
 
 SEQUENCES_PER_PASS = 8
@@ -76,8 +76,9 @@ class ValidationSet:
 
     @torch.no_grad()
     def draft_tokens(self, head: JetFlowHead, hints: bool = True) -> Tensor:
-        """The head's argmax token per anchor and depth [nb, D] (target ids); a hinted head reads
-        the lookup hints of each anchor (hints=False: none, every slot plain MASK)."""
+        """The head's top-1 token per anchor and depth [nb, D] (target ids); a hinted head reads
+        the lookup hints of each anchor, a copying head mixes them in (hints=False: neither, every
+        slot plain MASK)."""
         device, dtype = head.fc.weight.device, head.fc.weight.dtype
         out = []
         for first in range(0, len(self.sequences), SEQUENCES_PER_PASS):
@@ -96,9 +97,10 @@ class ValidationSet:
             keep = None if hints else torch.zeros(len(anchors), dtype=torch.bool, device=device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype != torch.float32):
                 hidden, _ = head_forward_sequences(head, *args, 0, keep)
-                picks = head.draft_vocab_logits(hidden).argmax(-1)
-            if head.draft_vocab is not None:
-                picks = head.draft_vocab[picks]
+                slot_hints = None
+                if hints and head.copy_gate is not None:  # a copying head drafts the top of its copy mixture
+                    slot_hints = lookup_hints_batched(args[1], args[2], args[3], hidden.shape[1], head.config.lookup_hint_ngram)
+                picks = head.draft_candidates(hidden, 1, slot_hints)[1][..., 0]
             out.append(picks.cpu())
         return torch.cat(out)
 
@@ -110,7 +112,7 @@ class ValidationSet:
         try:
             drafted = self.draft_tokens(head)
             scores = self.score_tokens(drafted)
-            if head.config.lookup_hint:
+            if head.config.reads_hints:
                 blanked = self.score_tokens(self.draft_tokens(head, hints=False))
                 scores["blanked_top1"], scores["blanked_chain_tau"] = blanked["top1"], blanked["chain_tau"]
                 scores["hint_use"] = self.hint_use(drafted)
