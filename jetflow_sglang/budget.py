@@ -21,7 +21,9 @@ serving is refused (`check_table_origin`). Under load bs * n
 grows and small trees win. When rounds with a head draft pass have been committing fewer
 tokens per second than this round would without one (measured, EMA per batch size, each
 against a plain step; a plain step counts 1; rounds verifying lookup chains alone where this
-round found chains, else a plain step), the next rounds skip the head: they verify the
+round found chains, else a plain step; the chains' value also counts, in every head round that
+held them, what they alone would have committed there: `observe_chains_beside_head`, so both
+are measured on the same text), the next rounds skip the head: they verify the
 prompt-lookup chains alone, or the root alone where no request has one, running the head every
 `PROBE_EVERY`-th round to see whether that changed. Rounds that verify lookup chains without
 the head are measured the same way: when they have been committing fewer tokens per second
@@ -50,6 +52,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from jetflow_sglang.accept import Acceptance
 from jetflow_sglang.tree import FILLER_SCORE, DraftTree, path_scores, prune_order
 
 POLICIES = ("static", "adaptive", "sweep")  # sweep: every ladder size in turn (benchmarks/verify_cost.py)
@@ -471,6 +474,34 @@ class BudgetPolicy:
         _total(self.round_totals["credited"], batch, seconds, commits)
         _ema(self.chain_value, batch, commits / seconds * plain / batch, VALUE_EMA)
 
+    def observe_chains_beside_head(self, chains: DraftTree, tree: DraftTree, acceptance: Acceptance) -> None:
+        """After a head round (`tree`, verified, and its `acceptance`) whose requests also had lookup
+        chains (`chains`: their chain-only tree, `LookupBranch.chain_tree`): what a round verifying the
+        chains alone would have committed, fed to the chain rounds' value as a measured round is.
+        That round takes the size this policy would give the chain tree; each request then commits
+        its chain's leading tokens that equal what the target committed here (exact up to the
+        round's last committed token), at most that size less the root, and a bonus. Rounds that
+        verify chains alone are taken where text repeats, and at one request they run a copy out
+        to its end: without this their value was measured on other text than the head's, and the
+        head was skipped on streaks of copies (at one request on HumanEval, 50 of 340 rounds)."""
+        if not self.adaptive or chains.budget < 2:
+            return
+        real = chains.scores[:, 1:] > FILLER_SCORE / 2
+        if not bool(real.any()):
+            return
+        probs = self.node_probabilities(chains)
+        size = self._best_size(chains, probs)
+        if size < 2:
+            return  # the chain round would verify the root alone: a plain step, worth 1
+        committed = acceptance.committed_tokens(tree)
+        reach = min(size - 1, committed.shape[1])
+        match = (chains.tokens[:, 1 : 1 + reach] == committed[:, :reach]) & real[:, :reach]
+        batch = chains.tokens.shape[0]
+        commits = float((1 + match.int().cumprod(1).sum(1)).sum())
+        plain, seconds = self.cost.plain_seconds(batch), self.cost.round_seconds(batch, size)
+        _total(self.round_totals["credited"], batch, seconds, commits)
+        _ema(self.chain_value, batch, commits / seconds * plain / batch, VALUE_EMA)
+
     def report(self) -> dict:
         return {"mode": self.mode, "cap": self.cap, "chosen": dict(sorted(self.chosen.items())),
                 "skipped_drafts": self.skipped_drafts, "skipped_chains": self.skipped_chains,
@@ -478,8 +509,9 @@ class BudgetPolicy:
 
     def totals_report(self) -> dict:
         """Per round kind and batch size: rounds, mean ms, committed tokens per request per round,
-        and tokens per second against the root-only rounds' at that size (credited: skipped
-        chains as `observe_skipped_chains` valued them)."""
+        and tokens per second against the root-only rounds' at that size (credited: lookup chains
+        valued without being verified alone, by `observe_skipped_chains` and
+        `observe_chains_beside_head`)."""
         report = {}
         for kind, by_batch in self.round_totals.items():
             rows = {}

@@ -215,6 +215,53 @@ def test_the_head_is_skipped_when_rounds_without_it_commit_faster():
     assert policy.chain_value[1] < 1 < policy.draft_value[1] and not policy.skip_draft(1)
 
 
+def test_head_rounds_value_the_chains_they_held_on_the_same_text():
+    """A head round whose requests also had lookup chains values them as a round verifying them
+    alone would have committed (leading tokens equal to what the target committed, up to the
+    size the policy gives the chain tree, then a bonus), at that round's cost without a draft
+    pass. A streak of chain-only rounds that ran copies out (measured on other text) no longer
+    outweighs head rounds that commit more on the text both see: the head is kept."""
+    from jetflow_sglang.accept import Acceptance
+    from jetflow_sglang.lookup import CHAIN_SCORES
+    from jetflow_sglang.tree import chain_tree as lookup_chain_tree
+
+    policy = _policy_with_costs(16, seconds_per_token=1e-6, fixed=0.02)  # flat: the chain tree takes the cap
+    tree = prune_tree(confident_tree(1, 15, 0.5, 16), 4)  # tokens 0, 0, 0 under the root
+    four = torch.tensor([[0, 1, 2, 3]])
+    for _ in range(10):  # chain-only rounds in a copy stretch: 4 tokens each, no draft pass
+        policy.observe(tree, four, verify_seconds=0.024, draft_seconds=None)
+    for _ in range(10):  # head rounds: 4 tokens each
+        policy.observe(tree, four, verify_seconds=0.024, draft_seconds=0.01)
+    assert policy.draft_value[1] < policy.chain_value[1] and policy.skip_draft(1)  # the streak wins
+    accepted = Acceptance(path=four, num_accepted=torch.tensor([3]), bonus=torch.tensor([7]))  # commits 0, 0, 0, 7
+    anchor = torch.tensor([9])
+    before = policy.chain_value[1]
+    policy.observe_chains_beside_head(lookup_chain_tree(anchor, [[]], 15, CHAIN_SCORES), tree, accepted)
+    assert policy.chain_value[1] == before  # no chain: nothing to value
+    held = lookup_chain_tree(anchor, [[0, 5, 5, 5, 5]], 15, CHAIN_SCORES)
+    for _ in range(40):  # the same text: the chain holds the first committed token only
+        policy.observe(tree, four, verify_seconds=0.024, draft_seconds=0.01)
+        policy.observe_chains_beside_head(held, tree, accepted)
+    size = policy._best_size(held, policy.node_probabilities(held))
+    seconds, plain = policy.cost.round_seconds(1, size), policy.cost.plain_seconds(1)
+    assert size >= 2 and policy.chain_value[1] == pytest.approx(2 / seconds * plain, rel=0.05)  # 1 matched + a bonus
+    assert policy.chain_value[1] < policy.draft_value[1] and not policy.skip_draft(1)
+    assert policy.totals_report()["credited"]["1"] == {"rounds": 40, "ms": pytest.approx(1e3 * seconds, abs=0.01), "tokens": 2.0}
+    right = lookup_chain_tree(anchor, [[0, 0, 0, 7, 1]], 15, CHAIN_SCORES)
+    size = policy._best_size(right, policy.node_probabilities(right))
+    policy.observe_chains_beside_head(right, tree, accepted)
+    # every committed token matched: a round of `size` nodes commits them up to its size
+    assert 2 <= size and policy.round_totals["credited"][1][2] == 40 * 2 + min(5, size)
+    two = lookup_chain_tree(torch.tensor([9, 9]), [[0, 0, 0, 7, 1], []], 15, CHAIN_SCORES)
+    size = policy._best_size(two, policy.node_probabilities(two))
+    both = Acceptance(path=torch.tensor([[0, 1, 2, 3], [0, 1, -1, -1]]), num_accepted=torch.tensor([3, 1]), bonus=torch.tensor([7, 4]))
+    policy.observe_chains_beside_head(two, prune_tree(confident_tree(2, 15, 0.5, 16), 4), both)
+    assert policy.round_totals["credited"][2][2] == min(5, size) + 1  # a request without a chain commits its bonus alone
+    static = BudgetPolicy(16, "static")
+    static.observe_chains_beside_head(held, tree, accepted)
+    assert not static.chain_value and not static.round_totals["credited"]
+
+
 def test_lookup_chains_that_do_not_pay_give_way_to_plain_steps():
     """Rounds verifying lookup chains without the head that commit fewer tokens per second than a
     plain step: the next rounds verify the root alone, with no probe (the skipped chains are valued

@@ -324,6 +324,9 @@ class JetFlowWorker(BaseSpecWorker):
         verify_seconds, draft_seconds = self.ranks.same_seconds(self.budget_policy, self.budget_policy.clock() - verify_start,
                                                                 draft_seconds)  # fmt: skip
         self.budget_policy.observe(tree, acceptance.path, verify_seconds, draft_seconds)
+        if head_drafts and any(chains or ()) and self.budget_policy.adaptive:  # what the chains alone would have bought
+            chain_only = self.lookup.chain_tree(request.anchors, chains, self.budget)
+            self.budget_policy.observe_chains_beside_head(chain_only, tree, acceptance)
         if skipped_chains is not None:
             self.budget_policy.observe_skipped_chains(skipped_chains, acceptance.bonus)
         new_seq_lens = seq_lens + accept_lens
