@@ -78,9 +78,6 @@ class TrainConfig:
     resume: bool = False
 
 
-HINT_KEYS = ("lookup_hint", "lookup_hint_ngram", "lookup_copy")
-
-
 def learning_rate(config: TrainConfig, step: int, peak: float | None = None) -> float:
     """Linear warm-up to `peak` (the head's: config.lr), then a cosine to min_lr_ratio of it."""
     peak = config.lr if peak is None else peak
@@ -188,11 +185,10 @@ def load_init_head(head_spec: str, target_dir: Path, head_config: JetFlowConfig)
 
     start = load_head(head_spec, target_dir)
     mine, theirs = head_config.to_json_dict(), start.config.to_json_dict()
-    if head_config.reads_hints and not (start.config.lookup_hint and start.config.lookup_copy):
-        adds = [k for k in ("lookup_hint", "lookup_copy") if mine["jetflow"][k] and not theirs["jetflow"][k]]
-        if adds:
-            theirs = {**theirs, "jetflow": {**theirs["jetflow"], "lookup_hint_ngram": mine["jetflow"]["lookup_hint_ngram"],
-                                            **{k: True for k in adds}}}  # fmt: skip
+    adds = [k for k in ("lookup_hint", "lookup_copy") if mine["jetflow"][k] and not theirs["jetflow"][k]]
+    if adds:
+        theirs = {**theirs, "jetflow": {**theirs["jetflow"], "lookup_hint_ngram": mine["jetflow"]["lookup_hint_ngram"],
+                                        **{k: True for k in adds}}}  # fmt: skip
     differing = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
     if differing:
         raise JetFlowError(f"--init-head {head_spec} does not match this run's head: {', '.join(differing)} differ")
