@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from jetflow_sglang import harness
-from jetflow_sglang.head import JetFlowConfig, JetFlowHead
+from jetflow_sglang.head import JetFlowConfig, JetFlowHead, draft_id_map
 from jetflow_sglang.reference.target import fast_dtype
 from jetflow_sglang.training import objective as O
 from jetflow_sglang.training import blocks as B
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         head = JetFlowHead(JetFlowConfig.for_target(target.config, num_layers=2, draft_vocab_size=draft_vocab)).init_weights(0)
         if draft_vocab:
             head.set_draft_vocab(O.most_frequent_tokens(store, draft_vocab, vocab)[0])
-        return head.bind_target(embedding, lm_head), O.draft_id_map(head.draft_vocab, vocab)
+        return head.bind_target(embedding, lm_head), draft_id_map(head.draft_vocab, vocab)
 
     new_config = T.TrainConfig(batch_tokens=args.batch_tokens, anchor_fraction=args.anchor_fraction)
     old_config = T.TrainConfig(batch_tokens=args.old_batch_tokens)

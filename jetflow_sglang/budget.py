@@ -484,11 +484,9 @@ class BudgetPolicy:
         verify chains alone are taken where text repeats, and at one request they run a copy out
         to its end: without this their value was measured on other text than the head's, and the
         head was skipped on streaks of copies (at one request on HumanEval, 50 of 340 rounds)."""
-        if not self.adaptive or chains.budget < 2:
+        if not self.adaptive or chains.budget < 2:  # a chain-only tree of one node: no request had a chain
             return
         real = chains.scores[:, 1:] > FILLER_SCORE / 2
-        if not bool(real.any()):
-            return
         probs = self.node_probabilities(chains)
         size = self._best_size(chains, probs)
         if size < 2:

@@ -74,6 +74,8 @@ def draft_id_map(draft_vocab: Tensor | None, vocab_size: int) -> Tensor:
     table = torch.full((vocab_size,), -1, dtype=torch.long, device=draft_vocab.device)
     table[draft_vocab] = torch.arange(len(draft_vocab), device=draft_vocab.device)
     return table
+
+
 LayerAttention = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q, block_k, block_v) -> [b, heads, Q, d]
 Attention = Callable[[int, Tensor, Tensor, Tensor], Tensor]  # the same, given the layer index first
 

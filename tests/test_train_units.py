@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from jetflow_sglang.head import JetFlowConfig, JetFlowHead, dense_attention
+from jetflow_sglang.head import JetFlowConfig, JetFlowHead, dense_attention, draft_id_map
 from jetflow_sglang.lookup import lookup_draft, lookup_match
 from jetflow_sglang.training import objective as O
 from jetflow_sglang.training import blocks as B
@@ -247,7 +247,7 @@ def test_most_frequent_tokens_and_coverage():
     assert ids.tolist() == [5, 7] and coverage == pytest.approx(6 / 7)
     assert O.vocab_coverage(store, ids, 50) == pytest.approx(6 / 7)
     assert O.vocab_coverage(store, torch.tensor([8, 9]), 50) == pytest.approx(1 / 7)  # an inherited vocabulary
-    table = O.draft_id_map(ids, 50)
+    table = draft_id_map(ids, 50)
     assert table[5] == 0 and table[7] == 1 and table[9] == -1
 
 
@@ -296,7 +296,7 @@ def test_head_and_trainer_memorize_one_target_written_sequence(target, prompt_id
     head = JetFlowHead(config).init_weights(0)
     head.set_draft_vocab(O.most_frequent_tokens(store, 512, target.config.vocab_size)[0])
     head.bind_target(target.embedding, target.lm_head)
-    to_draft = O.draft_id_map(head.draft_vocab, target.config.vocab_size)
+    to_draft = draft_id_map(head.draft_vocab, target.config.vocab_size)
     optimizer = torch.optim.AdamW(head.parameters(), lr=2e-3)
     batches = T.Batches(store, T.TrainConfig(batch_tokens=1))
     input_ids, features, lengths, starts, seq_index = batches.get(random.Random(0), 0)

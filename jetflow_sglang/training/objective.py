@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from jetflow_sglang.head import JetFlowHead, draft_id_map  # noqa: F401 (draft_id_map: the training's name for it too)
+from jetflow_sglang.head import JetFlowHead
 
 LOSSES = ("fkl", "rkl", "sft")
 LOSS_CHUNK_ROWS = 4096  # draft-lm_head rows per chunk of the loss

@@ -30,12 +30,12 @@ import torch
 from torch import Tensor
 
 from jetflow_sglang.errors import JetFlowError
-from jetflow_sglang.head import JetFlowConfig, JetFlowHead
+from jetflow_sglang.head import JetFlowConfig, JetFlowHead, draft_id_map
 from jetflow_sglang.training import distributed
 from jetflow_sglang.training.blocks import BlockDrafter
 
 from jetflow_sglang.lookup import lookup_hints_batched
-from jetflow_sglang.training.objective import (LOSSES, copy_gate_loss, depth_weights, draft_id_map, draw_slots, loss_and_backward,
+from jetflow_sglang.training.objective import (LOSSES, copy_gate_loss, depth_weights, draw_slots, loss_and_backward,
                                                most_frequent_tokens, slot_targets, slot_tokens, vocab_coverage)  # fmt: skip
 
 

@@ -99,7 +99,8 @@ class ValidationSet:
                 hidden, _ = head_forward_sequences(head, *args, 0, keep)
                 slot_hints = None
                 if hints and head.copy_gate is not None:  # a copying head drafts the top of its copy mixture
-                    slot_hints = lookup_hints_batched(args[1], args[2], args[3], hidden.shape[1], head.config.lookup_hint_ngram)
+                    slot_hints = lookup_hints_batched(input_ids.to(device), rows.to(device), anchors.to(device), hidden.shape[1],
+                                                      head.config.lookup_hint_ngram)  # fmt: skip
                 picks = head.draft_candidates(hidden, 1, slot_hints)[1][..., 0]
             out.append(picks.cpu())
         return torch.cat(out)
