@@ -55,10 +55,19 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rotate(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
-    """RoPE (Llama half-rotation). x: [b, heads, T, d]; positions: [b, T]."""
+Rope = tuple[Tensor, Tensor]  # RoPE cos and sin at a pass's positions, [b, 1, T, d] float32 each
+
+
+def rope_tables(positions: Tensor, inv_freq: Tensor) -> Rope:
+    """cos and sin of Llama RoPE at positions [b, T]: computed once per pass, shared by its layers."""
     angles = positions[:, None, :, None].float() * inv_freq  # [b, 1, T, d/2]
-    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    angles = torch.cat([angles, angles], -1)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: Tensor, rope: Rope) -> Tensor:
+    """RoPE (Llama half-rotation). x: [b, heads, T, d]; rope: `rope_tables` at its positions."""
+    cos, sin = rope
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
@@ -122,22 +131,45 @@ class HeadLayer(nn.Module):
         self.gate_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
+        self._packed_qkv: Tensor | None = None  # `pack_for_cpu`
+        self._packed_kv: Tensor | None = None
 
-    def key_value(self, x: Tensor, positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    def pack_for_cpu(self) -> None:
+        """bf16 on a CPU: q, k and v as one oneDNN-layout linear (and k, v as another), so a draft
+        pass makes one call where it made three. Per column the same dot products as apart."""
+        weights = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        if all(can_pack(w) for w in weights):
+            self._packed_qkv = pack_weight(torch.cat(weights))
+            self._packed_kv = pack_weight(torch.cat(weights[1:]))
+
+    def project_qkv(self, x: Tensor, with_q: bool = True) -> tuple[Tensor | None, Tensor, Tensor]:
+        """q (None unless with_q), k and v of x [b, T, H], each [b, T, heads * d]."""
+        sizes = [self.kv_heads * self.head_dim] * 2
+        packed = self._packed_qkv if with_q else self._packed_kv
+        if packed is not None and x.dtype == torch.bfloat16:
+            parts = packed_linear(x, packed).split([self.heads * self.head_dim, *sizes] if with_q else sizes, -1)
+            return (parts[0] if with_q else None), parts[-2], parts[-1]
+        return (self.q_proj(x) if with_q else None), self.k_proj(x), self.v_proj(x)
+
+    def key_value(self, x: Tensor, rope: Rope, projected: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """Rotated keys and values [b, kv_heads, T, d] of x [b, T, H] (or of its k, v projections)."""
         b, t, _ = x.shape
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        k, v = projected if projected is not None else self.project_qkv(x, with_q=False)[1:]
+        k = k.view(b, t, self.kv_heads, self.head_dim)
         k = (k if self.k_norm is None else self.k_norm(k)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        return rotate(k, positions, inv_freq), v
+        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        return rotate(k, rope), v
 
-    def forward(self, hidden: Tensor, positions: Tensor, inv_freq: Tensor, attend: "LayerAttention") -> Tensor:
-        """hidden: [b, Q, H] block states at positions [b, Q]; attend(q, block_k, block_v) gives
-        the attention of q [b, heads, Q, d] over the context and the block keys [b, kv_heads, Q, d]."""
+    def forward(self, hidden: Tensor, rope: Rope, attend: "LayerAttention") -> Tensor:
+        """hidden: [b, Q, H] block states (`rope_tables` at their positions); attend(q, block_k,
+        block_v) gives the attention of q [b, heads, Q, d] over the context and the block keys
+        [b, kv_heads, Q, d]."""
         b, q_len, _ = hidden.shape
         x = self.input_layernorm(hidden)
-        q = self.q_proj(x).view(b, q_len, self.heads, self.head_dim)
-        q = rotate((q if self.q_norm is None else self.q_norm(q)).transpose(1, 2), positions, inv_freq)
-        block_k, block_v = self.key_value(x, positions, inv_freq)
+        q, k, v = self.project_qkv(x)
+        q = q.view(b, q_len, self.heads, self.head_dim)
+        q = rotate((q if self.q_norm is None else self.q_norm(q)).transpose(1, 2), rope)
+        block_k, block_v = self.key_value(x, rope, (k, v))
         attn = attend(q, block_k, block_v)
         hidden = hidden + self.o_proj(attn.transpose(1, 2).reshape(b, q_len, -1))
         x = self.post_attention_layernorm(hidden)
@@ -223,6 +255,8 @@ class JetFlowHead(nn.Module):
         """Inference in bf16 on a CPU: every linear and the draft lm_head keep their weights in
         oneDNN's layout (`cpu_linear`): the same outputs, faster at the draft pass's sizes. Call
         after `bind_target` and any `set_draft_vocab`; a no-op elsewhere."""
+        for layer in self.layers:
+            layer.pack_for_cpu()
         pack_linears(self)
         lm_head = self._target_lm_head if self._draft_lm_head is None else self._draft_lm_head
         if lm_head is not None and can_pack(lm_head) and self.fc.weight.dtype == lm_head.dtype:
@@ -286,7 +320,8 @@ class JetFlowHead(nn.Module):
 
     def projected_kv(self, projected: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
         """`context_kv` from already projected features [b, T, H]."""
-        return [layer.key_value(projected, positions, self.inv_freq) for layer in self.layers]
+        rope = rope_tables(positions, self.inv_freq)
+        return [layer.key_value(projected, rope) for layer in self.layers]
 
     def block_mask(self, block_size: int, device: torch.device, causal: bool | None = None) -> Tensor:
         """Within-block visibility: causal (JetFlow) or bidirectional (DFlash baseline). [B, B] bool.
@@ -311,8 +346,9 @@ class JetFlowHead(nn.Module):
                   hints: Hints | None = None) -> Tensor:  # fmt: skip
         """`forward_block` with the attention over context and block supplied (e.g. paged, in SGLang)."""
         hidden = self.embed_block(block_tokens, positions, anchor_context, hints)
+        rope = rope_tables(positions, self.inv_freq)
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, positions, self.inv_freq, functools.partial(attention, index))
+            hidden = layer(hidden, rope, functools.partial(attention, index))
         return self.norm(hidden)
 
     def draft_vocab_logits(self, hidden: Tensor) -> Tensor:

@@ -13,6 +13,7 @@ over the batch and the nodes.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from collections.abc import Sequence
@@ -118,53 +119,69 @@ def build_tree(anchor_tokens: Tensor, draft_logprobs: Tensor, budget: int, width
     device = draft_logprobs.device
     anchor_tokens = anchor_tokens.to(device=device, dtype=torch.long)
     topk_logprobs, topk_tokens = draft_logprobs.float().topk(width, dim=-1)  # [b, D, k], sorted
-
-    # Candidate pool, concatenated depth by depth. Index 0 is the root.
-    pool_scores = [torch.zeros(batch, 1, device=device)]
-    pool_tokens = [anchor_tokens[:, None]]
-    pool_parents = [torch.full((batch, 1), -1, dtype=torch.long, device=device)]
-    pool_depths = [torch.zeros(batch, 1, dtype=torch.long, device=device)]
-    level_scores = pool_scores[0]
-    level_offset, pool_size = 0, 1
     keep = budget - 1
-    for depth in range(1, num_depths + 1):
-        if keep == 0:
-            break
-        # Children of every kept node at the previous depth: parent-major, rank-minor.
-        child_scores = (level_scores[:, :, None] + topk_logprobs[:, depth - 1, None, :]).flatten(1)
-        child_tokens = topk_tokens[:, depth - 1, None, :].expand(-1, level_scores.shape[1], -1).flatten(1)
-        child_parents = (
-            torch.arange(level_scores.shape[1], device=device)[:, None].expand(-1, width).flatten() + level_offset
-        ).expand(batch, -1)
-        order = torch.sort(child_scores, dim=1, descending=True, stable=True).indices[:, :keep]
-        level_scores = child_scores.gather(1, order)
-        pool_scores.append(level_scores)
-        pool_tokens.append(child_tokens.gather(1, order))
-        pool_parents.append(child_parents.gather(1, order))
-        pool_depths.append(torch.full_like(order, depth))
-        level_offset = pool_size
-        pool_size += order.shape[1]
+    layout = pool_layout(num_depths, width, keep)
 
+    # Candidate pool, depth by depth, each depth's kept children sorted by score (index 0: the
+    # root). A depth's children are its parents' (parent-major, rank-minor), so a child's
+    # position in the sort gives its parent and its rank after the loop.
+    level = topk_logprobs.new_zeros(batch, 1)
+    pool_scores, orders = [level], []
+    for depth, size in enumerate(layout.sizes):
+        children = (level[:, :, None] + topk_logprobs[:, depth, None, :]).flatten(1)
+        level, order = torch.sort(children, dim=1, descending=True, stable=True)
+        level = level[:, :size]
+        pool_scores.append(level)
+        orders.append(order[:, :size])
     scores = torch.cat(pool_scores, 1)
-    tokens = torch.cat(pool_tokens, 1)
-    parents = torch.cat(pool_parents, 1)
-    depths = torch.cat(pool_depths, 1)
+    depths = torch.tensor(layout.depths, device=device)
+    parents = torch.full((batch, 1), -1, dtype=torch.long, device=device)
+    tokens = anchor_tokens[:, None]
+    if orders:
+        order = torch.cat(orders, 1)
+        parent_offsets = torch.tensor(layout.parent_offsets, device=device)
+        parents = torch.cat([parents, order.div(width, rounding_mode="floor") + parent_offsets], 1)
+        ranks = (depths[1:] - 1) * width + order.remainder(width)  # into the flattened [D * k] lists
+        tokens = torch.cat([tokens, topk_tokens.reshape(batch, -1).gather(1, ranks)], 1)
     # Global best-first selection; the stable sort keeps depth order on ties, so a
     # parent always comes before its children.
     chosen = torch.sort(scores[:, 1:], dim=1, descending=True, stable=True).indices[:, :keep] + 1
-    chosen = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=device), chosen], 1)
+    chosen = torch.cat([chosen.new_zeros(batch, 1), chosen], 1)
     new_index = torch.full_like(scores, -1, dtype=torch.long)
     new_index.scatter_(1, chosen, torch.arange(budget, device=device).expand(batch, -1))
     old_parents = parents.gather(1, chosen)
     tree_parents = torch.where(old_parents < 0, old_parents, new_index.gather(1, old_parents.clamp(min=0)))
-    tree_depths = depths.gather(1, chosen)
     return DraftTree(
         tokens=tokens.gather(1, chosen),
         parents=tree_parents,
-        depths=tree_depths,
+        depths=depths.expand(batch, -1).gather(1, chosen),
         scores=scores.gather(1, chosen),
         ancestors=ancestor_mask(tree_parents, num_depths),
     )
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """`build_tree`'s candidate pool for one (depths, width, keep): nodes kept per depth, and per
+    pool node its depth and the pool index of the first node of its parent's depth."""
+
+    sizes: tuple[int, ...]
+    depths: tuple[int, ...]
+    parent_offsets: tuple[int, ...]  # non-root nodes only
+
+
+@functools.lru_cache(maxsize=256)
+def pool_layout(num_depths: int, width: int, keep: int) -> PoolLayout:
+    sizes, level = [], 1
+    for _ in range(num_depths if keep else 0):
+        level = min(keep, level * width)
+        sizes.append(level)
+    depths, parent_offsets, start, parent_start = [0], [], 1, 0
+    for depth, size in enumerate(sizes, 1):
+        depths += [depth] * size
+        parent_offsets += [parent_start] * size
+        parent_start, start = start, start + size
+    return PoolLayout(tuple(sizes), tuple(depths), tuple(parent_offsets))
 
 
 def refreshed_tree(tree: DraftTree, node_top: Candidates, depth_top: Candidates) -> DraftTree:
@@ -446,11 +463,12 @@ def prune_tree(tree: DraftTree, budget: int, priority: Tensor | None = None) -> 
     new_index.scatter_(1, chosen, torch.arange(budget, device=device).expand(batch, -1))
     old_parents = tree.parents.gather(1, chosen)
     parents = torch.where(old_parents < 0, old_parents, new_index.gather(1, old_parents.clamp(min=0)))
-    depths = tree.depths.gather(1, chosen)
+    # A kept node's ancestors are all kept: its rows and columns of the ancestor mask are the mask.
+    ancestors = tree.ancestors.gather(1, chosen[:, :, None].expand(-1, -1, size))
     return DraftTree(
         tokens=tree.tokens.gather(1, chosen),
         parents=parents,
-        depths=depths,
+        depths=tree.depths.gather(1, chosen),
         scores=tree.scores.gather(1, chosen),
-        ancestors=ancestor_mask(parents, int(depths.max())),
+        ancestors=ancestors.gather(2, chosen[:, None, :].expand(-1, budget, -1)),
     )

@@ -8,12 +8,13 @@ TRITON_INTERPRET=1 is set (before this package is imported), else the torch refe
 
 from ._dispatch import backend_name
 from .accept import accept_greedy, accept_sampling, accept_sampling_reference
-from .head_attention import paged_block_attention, paged_block_attention_reference
+from .head_attention import PagedContext, paged_block_attention, paged_block_attention_reference, paged_context
 from .sampling import sample_inverse_cdf, target_picks_from_uniforms
 from .tree_build import build_tree_from_topk, build_tree_reference
 from .tree_masks import TreeMasks, ancestor_mask, tree_masks
 
 __all__ = [
+    "PagedContext",
     "TreeMasks",
     "backend_name",
     "accept_greedy",
@@ -24,6 +25,7 @@ __all__ = [
     "build_tree_reference",
     "paged_block_attention",
     "paged_block_attention_reference",
+    "paged_context",
     "sample_inverse_cdf",
     "target_picks_from_uniforms",
     "tree_masks",

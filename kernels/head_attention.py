@@ -122,13 +122,17 @@ def paged_block_attention(
     seq_lens: Tensor,
     causal: bool,
     window: int = 0,
+    context: "PagedContext | None" = None,
 ) -> Tensor:
     """Attention of block queries q [b, H, B, D] over each request's context (slots
     ``req_to_token[req_pool_indices[i], :seq_lens[i]]`` of key/value_cache [slots, Hkv, D]) and
     the block keys block_k/v [b, Hkv, B, D] (causal or all), only keys fewer than `window`
     positions back if window > 0. Returns [b, H, B, D]; softmax scale 1/sqrt(D). Triton on
-    CUDA or under TRITON_INTERPRET=1, else the torch reference."""
+    CUDA or under TRITON_INTERPRET=1, else the torch reference, over `context` when given
+    (`paged_context`: the layers of one pass share it)."""
     if not use_triton(q):
+        if context is not None:
+            return context.attend(q, block_k, block_v, key_cache, value_cache, causal, window)
         return paged_block_attention_reference(
             q, block_k, block_v, key_cache, value_cache, req_to_token, req_pool_indices, seq_lens, causal, window
         )
@@ -178,20 +182,50 @@ def paged_block_attention_reference(
 ) -> Tensor:
     """The head's own dense attention (`jetflow_sglang.head.dense_attention`) over each request's
     context gathered from the cache, padded to the longest and masked."""
-    batch, _, block, _ = q.shape
-    device = q.device
-    seq_lens = seq_lens.long()
-    width = max(int(seq_lens.max()), 1) if batch else 1
-    valid = torch.arange(width, device=device)[None, :] < seq_lens[:, None]  # [b, C]
-    rows = req_to_token[req_pool_indices.long()][:, :width].long()
-    slots = torch.where(valid, rows, torch.zeros_like(rows))
-    context = [(key_cache[slots].permute(0, 2, 1, 3).to(q.dtype), value_cache[slots].permute(0, 2, 1, 3).to(q.dtype))]
-    within = torch.ones(block, block, dtype=torch.bool, device=device)
-    if causal:
-        within = within.tril()
-    mask = torch.cat([valid[:, None, :].expand(-1, block, -1), within.expand(batch, -1, -1)], -1)
-    if window:
-        query_positions = seq_lens[:, None] + torch.arange(block, device=device)
-        key_positions = torch.cat([torch.arange(width, device=device).expand(batch, -1), query_positions], 1)
-        mask = window_mask(mask, query_positions, key_positions, window)
-    return dense_attention(context, mask[:, None])(0, q, block_k, block_v)
+    context = PagedContext(req_to_token, req_pool_indices, seq_lens, q.shape[2])
+    return context.attend(q, block_k, block_v, key_cache, value_cache, causal, window)
+
+
+def paged_context(req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: Tensor, block: int) -> "PagedContext | None":
+    """What a pass's layers share for `paged_block_attention`: the reference's padded context
+    (`PagedContext`), or None where the Triton kernel runs (it reads the slots itself)."""
+    return None if use_triton(seq_lens) else PagedContext(req_to_token, req_pool_indices, seq_lens, block)
+
+
+class PagedContext:
+    """The reference's view of a batch's context: each request's slots
+    (``req_to_token[row, :seq_len]``) padded to the longest, and the masks over them. Built once
+    per draft pass, it serves every layer (one host read of the longest length, not one per layer)."""
+
+    def __init__(self, req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: Tensor, block: int) -> None:
+        batch, device = seq_lens.shape[0], seq_lens.device
+        self.seq_lens, self.block = seq_lens.long(), block
+        width = max(int(self.seq_lens.max()), 1) if batch else 1
+        self.valid = torch.arange(width, device=device)[None, :] < self.seq_lens[:, None]  # [b, C]
+        rows = req_to_token[req_pool_indices.long()][:, :width].long()
+        self.slots = torch.where(self.valid, rows, torch.zeros_like(rows))
+        self._masks: dict[tuple[bool, int], Tensor] = {}
+
+    def mask(self, causal: bool, window: int = 0) -> Tensor:
+        """[b, 1, B, C + B] bool over (context, block) keys."""
+        key = (causal, window)
+        if key not in self._masks:
+            batch, block, device = self.valid.shape[0], self.block, self.valid.device
+            within = torch.ones(block, block, dtype=torch.bool, device=device)
+            if causal:
+                within = within.tril()
+            mask = torch.cat([self.valid[:, None, :].expand(-1, block, -1), within.expand(batch, -1, -1)], -1)
+            if window:
+                width = self.valid.shape[1]
+                query_positions = self.seq_lens[:, None] + torch.arange(block, device=device)
+                key_positions = torch.cat([torch.arange(width, device=device).expand(batch, -1), query_positions], 1)
+                mask = window_mask(mask, query_positions, key_positions, window)
+            self._masks[key] = mask[:, None]
+        return self._masks[key]
+
+    def attend(self, q: Tensor, block_k: Tensor, block_v: Tensor, key_cache: Tensor, value_cache: Tensor,
+               causal: bool, window: int = 0) -> Tensor:  # fmt: skip
+        """`paged_block_attention` over this context: [b, H, B, D]."""
+        keys = key_cache[self.slots].permute(0, 2, 1, 3).to(q.dtype)
+        values = value_cache[self.slots].permute(0, 2, 1, 3).to(q.dtype)
+        return dense_attention([(keys, values)], self.mask(causal, window))(0, q, block_k, block_v)

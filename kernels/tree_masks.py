@@ -104,13 +104,15 @@ def ancestor_mask(parents: Tensor) -> Tensor:
     return ancestors.view(torch.bool)
 
 
-def tree_masks(parents: Tensor, depths: Tensor, prefix_lens: Tensor, packed: bool = True) -> TreeMasks:
+def tree_masks(parents: Tensor, depths: Tensor, prefix_lens: Tensor, packed: bool = True,
+               ancestors: Tensor | None = None) -> TreeMasks:  # fmt: skip
     """Masks and positions of a batch of trees over ragged prefixes. parents, depths: [b, N];
     prefix_lens: [b], tokens already in the target's KV cache before the tree. packed=False
     leaves the FlashInfer packed mask out (None); the kernel writes it from the same pass, the
-    torch reference would spend as long again packing it."""
+    torch reference would spend as long again packing it. ancestors: the trees' ancestor masks
+    where the caller has them (`DraftTree.ancestors`), which the reference then reuses."""
     if not use_triton(parents):
-        return tree_masks_reference(parents, depths, prefix_lens, packed)
+        return tree_masks_reference(parents, depths, prefix_lens, packed, ancestors)
     batch, budget = parents.shape
     device = parents.device
     prefix_lens = prefix_lens.to(device=device, dtype=torch.int64)
@@ -145,8 +147,10 @@ def tree_masks(parents: Tensor, depths: Tensor, prefix_lens: Tensor, packed: boo
     return TreeMasks(ancestors, positions, full.view(torch.bool), packed_bytes, packed_indptr)
 
 
-def tree_masks_reference(parents: Tensor, depths: Tensor, prefix_lens: Tensor, packed: bool = True) -> TreeMasks:
-    ancestors = reference.ancestor_mask(parents, int(depths.max()) if depths.numel() else 0)
+def tree_masks_reference(parents: Tensor, depths: Tensor, prefix_lens: Tensor, packed: bool = True,
+                         ancestors: Tensor | None = None) -> TreeMasks:  # fmt: skip
+    if ancestors is None:
+        ancestors = reference.ancestor_mask(parents, int(depths.max()) if depths.numel() else 0)
     # full_mask and packed_mask read only the ancestors, the budget and the device.
     shape_only = DraftTree(tokens=parents, parents=parents, depths=depths, scores=depths.float(), ancestors=ancestors)
     prefix_lens = prefix_lens.to(device=parents.device, dtype=torch.int64)

@@ -305,6 +305,7 @@ def test_cpu_packed_linears_give_the_same_draft_and_state():
     head.pack_for_cpu()
     assert sum(isinstance(m, PackedLinear) for m in head.modules()) == 2 * 7 + 2  # layers, fc, anchor_fuse
     assert head._packed_lm_head is not None
+    assert all(layer._packed_qkv is not None and layer._packed_kv is not None for layer in head.layers)  # one call for q, k, v
     assert head.state_dict().keys() == state.keys() and all(torch.equal(head.state_dict()[k], v) for k, v in state.items())
     features = torch.randn(1, 9, 3 * 32, generator=gen).to(torch.bfloat16)
     with torch.no_grad():

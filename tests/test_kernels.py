@@ -30,6 +30,7 @@ from jetflow_kernels.head_attention import (
     _paged_block_attention_kernel,
     paged_block_attention,
     paged_block_attention_reference,
+    paged_context,
 )
 from jetflow_kernels.tree_build import (
     _tree_build_kernel,
@@ -415,6 +416,32 @@ def test_cpu_wrappers_are_the_references() -> None:
     assert torch.equal(masks.ancestors, want.ancestors)
     unpacked = tree_masks(want.parents, want.depths, prefix_lens, packed=False)
     assert unpacked.packed_mask is None and torch.equal(unpacked.full_mask, masks.full_mask)
+    reused = tree_masks(want.parents, want.depths, prefix_lens, packed=False, ancestors=want.ancestors)  # the worker's call
+    assert reused.ancestors is want.ancestors and torch.equal(reused.full_mask, masks.full_mask)
+
+
+def test_one_paged_context_serves_every_layer_as_the_reference() -> None:
+    """The draft pass gathers each request's context slots once (`paged_context`) for all its
+    layers: per layer, causal or not, windowed or not, the same output as the reference alone."""
+    gen = torch.Generator().manual_seed(8)
+    lens, block, heads, kv_heads, head_dim, layers = [5, 130, 0, 64], 16, 9, 3, 64, 3
+    batch, rows = len(lens), len(lens) + 2
+    req_to_token = torch.zeros(rows, max(lens) + 4, dtype=torch.int32)
+    req_pool_indices = torch.randperm(rows, generator=gen)[:batch]
+    slots, start = torch.randperm(sum(lens) + 10, generator=gen), 0
+    for row, n in zip(req_pool_indices.tolist(), lens):
+        req_to_token[row, :n] = slots[start : start + n].to(torch.int32)
+        start += n
+    seq_lens = torch.tensor(lens)
+    context = paged_context(req_to_token, req_pool_indices, seq_lens, block)
+    assert context is not None  # CPU without the interpreter: the reference runs
+    caches = torch.randn(layers, 2, sum(lens) + 10, kv_heads, head_dim, generator=gen)
+    for layer, (causal, window) in enumerate(((True, 0), (False, 0), (True, 70))):
+        q = torch.randn(batch, heads, block, head_dim, generator=gen)
+        block_k, block_v = torch.randn(2, batch, kv_heads, block, head_dim, generator=gen)
+        args = (caches[layer, 0], caches[layer, 1], req_to_token, req_pool_indices, seq_lens, causal, window)
+        got = paged_block_attention(q, block_k, block_v, *args, context)
+        assert torch.equal(got, paged_block_attention_reference(q, block_k, block_v, *args))
 
 
 def test_tree_build_rejects_bad_budgets() -> None:

@@ -15,7 +15,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from jetflow_kernels import paged_block_attention
+from jetflow_kernels import paged_block_attention, paged_context
 from jetflow_sglang.head import JetFlowHead
 from jetflow_sglang.tree import Candidates
 
@@ -97,11 +97,12 @@ class PagedHeadProposer:
         (`req_to_token[row, :seq_len]`), through the paged kernel (no host sync: graph-capturable).
         hint_tokens, hint_kinds [b, B-1]: a hinted head's lookup hints (None, or a plain head: none)."""
         config = self.head.config
+        context = paged_context(self.req_to_token, req_pool_indices, seq_lens, self.block_size)  # once per pass
 
         def attend(layer: int, q: Tensor, block_k: Tensor, block_v: Tensor) -> Tensor:
             return paged_block_attention(
                 q, block_k, block_v, self.keys[layer], self.values[layer], self.req_to_token,
-                req_pool_indices, seq_lens, config.layer_causal(layer), config.layer_window(layer),
+                req_pool_indices, seq_lens, config.layer_causal(layer), config.layer_window(layer), context,
             )  # fmt: skip
 
         anchor_context = None

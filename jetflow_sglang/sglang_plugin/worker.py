@@ -302,7 +302,7 @@ class JetFlowWorker(BaseSpecWorker):
         tree, skipped_chains, t = self._draft_tree(request, chains, hints, head_drafts, t)
         budget = tree.budget  # this round's verify width (adaptive: up to the cap)
         draft_seconds = self.budget_policy.clock() - round_start if head_drafts else None
-        masks = tree_masks(tree.parents, tree.depths, seq_lens, packed=False)
+        masks = tree_masks(tree.parents, tree.depths, seq_lens, packed=False, ancestors=tree.ancestors)
         spec_input = verify_input(
             masks.full_mask, budget, self.depths, self.width,
             draft_tokens=tree.tokens.flatten(), positions=masks.positions.flatten(), seq_lens=seq_lens,
