@@ -815,3 +815,18 @@ def test_prune_by_any_priority_is_a_tree_of_the_best_capped_nodes(inputs, data):
     kept_values = [c for c, p in zip(capped[1:], paths[1:]) if p in kept]
     dropped = [c for c, p in zip(capped[1:], paths[1:]) if p not in kept]
     assert not dropped or not kept_values or min(kept_values) >= max(dropped)
+
+
+def test_top_candidates_in_cpu_chunks_equal_one_pass():
+    """On CPU `top_candidates` takes a batch's rows 16 at a time: the same lists, bit for bit, as
+    one log-softmax and top-k over all rows (ties included), mapped through a pruned vocabulary."""
+    from jetflow_sglang.tree import CPU_CANDIDATE_ROWS, top_candidates
+
+    gen = torch.Generator().manual_seed(11)
+    vocab_ids = torch.randperm(1000, generator=gen)[:300]
+    for shape in [(1, 15, 300), (3, 15, 300), (2, 16, 300), (CPU_CANDIDATE_ROWS + 1, 300)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            logits = (torch.randint(0, 40, shape, generator=gen).float() / 4).to(dtype)  # many ties
+            logprobs, tokens = top_candidates(logits, 8, vocab_ids)
+            want = logits.float().log_softmax(-1).topk(8, dim=-1)
+            assert torch.equal(logprobs, want.values) and torch.equal(tokens, vocab_ids[want.indices]), (shape, dtype)
