@@ -136,7 +136,9 @@ class HeadLayer(nn.Module):
 
     def pack_for_cpu(self) -> None:
         """bf16 on a CPU: q, k and v as one oneDNN-layout linear (and k, v as another), so a draft
-        pass makes one call where it made three. Per column the same dot products as apart."""
+        pass makes one call where it made three (45 instead of 114 us for 16 rows). The same dot
+        products; for some row counts oneDNN blocks the wider matrix differently, so bf16 outputs
+        can differ from the three apart in the last bit (fp32 heads are not packed)."""
         weights = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
         if all(can_pack(w) for w in weights):
             self._packed_qkv = pack_weight(torch.cat(weights))

@@ -94,8 +94,9 @@ def top_candidates(logits: Tensor, width: int, vocab_ids: Tensor | None = None) 
     width = min(width, logits.shape[-1])
     if logits.device.type == "cpu" and logits[..., 0].numel() > CPU_CANDIDATE_ROWS:
         # On CPU, rows a few at a time: the float32 copy and log-softmax of a whole batch's
-        # draft logits (16 requests x 15 depths x 16k) is 16 MB that misses the cache; chunks of
-        # 16 rows gave the same lists at 2.7x less time (6.7 vs 17.3 ms at 16 requests).
+        # draft logits (16 requests x 15 depths x 16k) is 16 MB that misses the cache. Chunks of
+        # 16 rows give the same lists: alone 6.7 instead of 17.3 ms at 16 requests, inside a
+        # profiled draft pass 5.2 instead of 5.8 ms.
         flat = logits.reshape(-1, logits.shape[-1])
         chunks = [chunk.float().log_softmax(-1).topk(width, dim=-1) for chunk in flat.split(CPU_CANDIDATE_ROWS)]
         logprobs = torch.cat([c.values for c in chunks]).view(*logits.shape[:-1], width)
