@@ -64,9 +64,10 @@ ORACLE_PROMPTS = [
     ("What is the boiling point of water?", True),
 ]
 BUDGETS = [16, 64, 256]
-# Per-node request processing (logit bias, log-probs, radix hits, frontend programs) is the same
-# code at every tree size: these run on the servers at 16 and 64; the 256-node one keeps the
-# greedy, penalty, grammar, sampling and refusal checks (a 14-request batch costs minutes there).
+# Per-node request processing (logit bias, log-probs, radix hits, frontend programs, sampling,
+# refusals) is the same code at every tree size: these run on the servers at 16 and 64; the
+# 256-node one keeps the greedy, penalty and grammar checks (its rounds cost seconds here). The
+# tests on one server run in file order: the adaptive server's policy learns from the earlier ones.
 SMALL_TREES = pytest.mark.parametrize("jetflow_server", [16, 64], indirect=True, ids=lambda b: f"budget{b}")
 ADAPTIVE_CAP = 64
 STATIC = {"JETFLOW_BUDGET": "static"}  # the whole budget every round (the default is adaptive)
@@ -77,6 +78,7 @@ ORACLE_EXTRA = 24  # oracle continuations run this far past each request's token
 # verifies them (head-drafted requests beside them, which rarely pay in fp32 on a CPU, would set
 # its batch-level value; the static servers serve those).
 ORACLE_ACCEPT = "0.9"
+MIN_ORACLE_TOKENS = 8  # oracle answers at least this long are asserted to draft long paths
 # ... and it prices and clocks its rounds by this table (`JETFLOW_TEST_COSTS`), not by the machine's
 # clock: what it drafts then follows from what it accepts alone, the same on a fast and a slow CPU
 # (on the clock, a slower CI machine verified root-only rounds at 8 in flight). The shape is a
@@ -143,7 +145,6 @@ SAMPLING_CASE = 9  # "Write a haiku about rain.", oracle-drafted: sampled tokens
 # top-k and top-p together, and min-p: the worker cuts these as SGLang's sampler does (sampling_filters.py)
 SAMPLING = {"temperature": 1.0, "top_k": 3, "top_p": 0.9, "min_p": 0.1, "max_new_tokens": 4}
 SAMPLES = 192
-SAMPLING_BUDGETS = (16, 64)  # same tree code at 256, where the draws cost ~13 min here
 LOGPROB_CASES = [0, 3, 8, 12]  # two head-drafted, two oracle-drafted (multi-token commits)
 
 
@@ -315,8 +316,10 @@ def test_greedy_token_ids_equal_no_spec_server(jetflow_server, cases, reference,
         meta = out["meta_info"]
         tau = 1 + meta["spec_num_correct_drafts"] / meta["spec_verify_ct"]
         if case["oracle"]:
-            # The oracle's true tokens sit in the tree most rounds: long accepted paths.
-            assert tau > 2.0, (case, meta)
+            # The oracle's true tokens sit in the tree most rounds: long accepted paths. An answer of
+            # a few tokens ("No.") is one or two rounds, whose accepted lengths are one draw each.
+            if len(out["output_ids"]) >= MIN_ORACLE_TOKENS:
+                assert tau > 2.0, (case, meta)
             # SGLang counts a round's whole accepted path before EOS or max_new_tokens cuts it.
             if meta["spec_verify_ct"] + meta["spec_num_correct_drafts"] > len(out["output_ids"]):
                 cut_inside[meta["finish_reason"]["type"]] += 1
@@ -555,6 +558,7 @@ def test_frontend_program_with_grammars_and_choices_equals_no_spec(jetflow_serve
 
 
 @pytest.mark.slow
+@SMALL_TREES  # same tree code at 256, where 192 draws verify 8 x 256 nodes a round (~13 min here)
 def test_sampling_follows_the_target_distribution_over_several_tokens(jetflow_server, cases, reference):
     """Temperature 1, top-k 3 with top-p 0.9 and min-p 0.1, four new tokens: the joint distribution
     of the JETFLOW server's continuations equals the one computed from the target's logits with
@@ -566,9 +570,6 @@ def test_sampling_follows_the_target_distribution_over_several_tokens(jetflow_se
 
     from helpers.stats import joint_fit
 
-    if jetflow_server.budget not in SAMPLING_BUDGETS:
-        pytest.skip(f"the sampling law is checked at budgets {SAMPLING_BUDGETS}: at 256, 192 draws verify "
-                    "8 x 256 nodes a round on 2 CPU cores (~13 min)")  # fmt: skip
     joint = reference["sampling_joint"]
     greedy_picks = [0, 3, 10]
     sampled, greedy = _samples(jetflow_server.url, cases[SAMPLING_CASE]["ids"], [cases[i] for i in greedy_picks])
@@ -586,6 +587,7 @@ def test_sampling_follows_the_target_distribution_over_several_tokens(jetflow_se
 
 
 @pytest.mark.slow
+@SMALL_TREES
 def test_requests_jetflow_would_serve_differently_are_refused(jetflow_server, cases, reference):
     """min_p with a seed (SGLang's seeded sampler asserts against it) and logprobs the worker does
     not produce get a 400 naming the option; the server keeps serving."""

@@ -7,6 +7,7 @@ the oracle does not know are drafted by the head, so one server serves both kind
 from __future__ import annotations
 
 import json
+import zlib
 
 import torch
 from torch import Tensor
@@ -33,7 +34,6 @@ class PagedOracleProposer:
         self.vocab_size, self.width, self.seed = vocab_size, width, seed
         self._oracles: dict[str, OracleProposer] = {}
         self._last_round: dict[str, int] = {}
-        self._created = 0
 
     def write_context(self, features: Tensor, slots: Tensor, positions: Tensor) -> None:
         self.fallback.write_context(features, slots, positions)
@@ -52,10 +52,11 @@ class PagedOracleProposer:
             oracle = self._oracles.get(rid)
             position = int(request.seq_lens[i])
             if oracle is None:
-                continuation = self.continuations[tuple(request.prompts[i])]
-                self._created += 1
-                oracle = OracleProposer(continuation, self.vocab_size, self.block_size, self.width,
-                                        seed=self.seed + self._created, accept_prob=self.accept_prob)  # fmt: skip
+                prompt = tuple(request.prompts[i])
+                # Seeded by the prompt, not by arrival order: a prompt drafts the same at any concurrency.
+                oracle = OracleProposer(self.continuations[prompt], self.vocab_size, self.block_size, self.width,
+                                        seed=self.seed + zlib.crc32(repr(prompt).encode()),
+                                        accept_prob=self.accept_prob)  # fmt: skip
                 self._oracles[rid] = oracle
                 oracle.length = position  # first decode round (or back after a retraction)
             else:
