@@ -308,9 +308,13 @@ def test_recipe_at_toy_size_trains_evaluates_and_ships_both_heads(data_dir, tmp_
         assert [r["budget"] for r in rows["tau"]["humaneval"]] == [4, 8] and all(r["identical"] for r in rows["tau"]["humaneval"])
         assert len(rows["per_depth"]["humaneval"]["top1"]) == 15 and rows["held_out"]["step"] == 2
     capsys.readouterr()
+    shipped = {p: p.stat().st_mtime_ns for p in (tmp_path / "heads").rglob("*") if p.is_file()}
     again = run_recipe(config)
     assert again["stage_seconds"] == report["stage_seconds"]
-    assert capsys.readouterr().out.count("done earlier") == len(report["stage_seconds"])
+    out = capsys.readouterr().out
+    assert out.count("done earlier") == len(report["stage_seconds"])
+    assert out.count("not shipped again") == len(SHIPPED_NAMES)  # the same heads and reports: no second fp32 gate
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "heads").rglob("*") if p.is_file()} == shipped
 
 
 def test_init_from_target_starts_from_the_targets_last_layers(prepared):

@@ -284,6 +284,12 @@ def ship_head(name: str, work: Path, report: dict, heads_dir: Path | None = None
     from jetflow_sglang.assets import resolve_target
     from jetflow_sglang.training import gate
 
+    card = model_card(name, report)
+    evals = {"tau": report["eval"][name], "per_depth": report["per_depth"][name], "held_out": report["train"][name].get("held_out")}
+    evals_text = json.dumps(evals, indent=1) + "\n"
+    if _shipped_unchanged(source, dest, {"README.md": card, "eval.json": evals_text}):
+        print(f"[recipe] {dest} holds these weights and this report already: not shipped again", flush=True)
+        return dest
     candidate = gate.record(resolve_target("default"), source)  # fp32 τ on the gate's held-out slice
     gate.check_not_worse(candidate, gate.read(dest) if dest.exists() else None)
     staging = dest.with_name(dest.name + ".staging")
@@ -292,14 +298,26 @@ def ship_head(name: str, work: Path, report: dict, heads_dir: Path | None = None
     for file in ("config.json", WEIGHTS_FILE, "loss.png", "per_depth.png", gate.GATE_FILE):
         if (source / file).is_file():
             shutil.copy2(source / file, staging / file)
-    (staging / "README.md").write_text(model_card(name, report))
-    evals = {"tau": report["eval"][name], "per_depth": report["per_depth"][name], "held_out": report["train"][name].get("held_out")}
-    (staging / "eval.json").write_text(json.dumps(evals, indent=1) + "\n")
+    (staging / "README.md").write_text(card)
+    (staging / "eval.json").write_text(evals_text)
     if dest.exists():
         shutil.rmtree(dest)
     staging.rename(dest)
     print(f"[recipe] shipped {dest} ({size_mb:.1f} MB)", flush=True)
     return dest
+
+
+def _shipped_unchanged(source: Path, dest: Path, texts: dict[str, str]) -> bool:
+    """dest already holds source's config and weights, a gate record, and these texts (a rerun of a
+    finished recipe: the fp32 gate need not be measured again)."""
+    from jetflow_sglang.head import WEIGHTS_FILE
+    from jetflow_sglang.training.gate import GATE_FILE
+
+    if not (dest / GATE_FILE).is_file():
+        return False
+    same_files = all((dest / f).is_file() and (dest / f).read_bytes() == (source / f).read_bytes()
+                     for f in ("config.json", WEIGHTS_FILE))  # fmt: skip
+    return same_files and all((dest / f).is_file() and (dest / f).read_text() == t for f, t in texts.items())
 
 
 def main(argv: list[str] | None = None) -> int:
